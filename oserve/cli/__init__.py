@@ -1,0 +1,40 @@
+"""The `oserve` command line: a typer app whose subcommands live in sibling modules."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from oserve.errors import OServeError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="OServe: serve an LLM on a cluster whose workload keeps changing.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print JSON figures with --json.")
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect request traces.")
+app.add_typer(bench_app, name="bench")
+app.add_typer(trace_app, name="trace")
+
+# Subcommand modules register themselves on the apps above when imported.
+from oserve.cli import bench_cmds, demo_cmd, trace_cmds  # noqa: E402,F401
+
+
+def main() -> None:
+    """Entry point: run the app; an OServeError becomes a one-line message and exit code 2."""
+    try:
+        app(standalone_mode=False)
+    except OServeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(2)
+        raise
