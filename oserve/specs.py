@@ -174,6 +174,25 @@ class MemoryConfig:
             raise ConfigError(f"MemoryConfig: block_tokens must be >= 1, got {self.block_tokens}")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Batching limits of one engine, with vLLM's names and online-serving defaults."""
+
+    max_num_seqs: int = 256
+    """Sequences in one batch (per pipeline micro-batch)."""
+    max_num_batched_tokens: int = 8192
+    """Tokens (prefill plus decode) in one batch; longer prompts are chunked when chunked_prefill."""
+    chunked_prefill: bool = True
+    """Split long prompts over several iterations and mix them with decodes."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"EngineConfig: max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"EngineConfig: max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                              f"max_num_seqs ({self.max_num_seqs})")
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class ReplicaShape:
     """Parallelism of one replica."""

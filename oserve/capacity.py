@@ -1,0 +1,214 @@
+"""Capacity n[shape][type]: the request rate one replica sustains for a workload type. Pure.
+
+This is what the paper gets from one-time profiling on real GPUs; here it comes from the performance
+model under a steady-state model of continuous batching:
+
+- B sequences decode concurrently, split into `pp` micro-batches of b = B / pp that take turns on the
+  pipeline; every turn, each stage spends `T_stage(b)` on a micro-batch's decode step.
+- Every request also brings its prompt, whose marginal cost on the slowest stage (the time it adds to
+  an iteration that already carries b decodes, chunked as the engine would) is `dT(I)`.
+- In steady state the slowest stage is busy all the time, so one request costs it
+  `dT(I) + O * T_stage(b) / b`, and the sustainable rate is
+
+      lambda(B) = 1 / E[dT(I) + O * T_stage(b) / b]
+
+  over the type's (input I, output O) length samples.
+- The average time between two tokens of one sequence is then
+  `TBT(B) = pp * T_stage(b) / (1 - lambda * E[dT(I)])` (decode rounds are stretched by the prefill
+  share), and it must stay within the latency target.
+- B is bounded by the KV cache (B sequences of mean in-flight context, weighted by how long each is
+  in flight, with `kv_headroom_frac` kept free for bursts), by `max_num_seqs` per micro-batch, and by
+  the TBT target; lambda grows with B, so the largest feasible B gives the capacity.
+A shape that meets the target at no batch size still gets its B = 1 rate, so capacity is positive and
+finite for every valid shape (the scheduler sees it as a slow replica rather than a missing one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from oserve.errors import ConfigError
+from oserve.perfmodel import Batch, PerfModel, ShapeTimer
+from oserve.specs import (EngineConfig, GPUSpec, MemoryConfig, ModelSpec, ReplicaShape, kv_capacity_tokens,
+                          valid_shapes)
+
+
+class LengthMix(Protocol):
+    """What the capacity table needs of workload types (WorkloadTypes satisfies it)."""
+
+    names: tuple[str, ...]
+
+    def type_lengths(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FixedLengths:
+    """Workload types given directly as length samples: names[j] has inputs[j], outputs[j] (equal weights)."""
+
+    names: tuple[str, ...]
+    inputs: tuple[tuple[int, ...], ...]
+    outputs: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.inputs) == len(self.outputs)) or not self.names:
+            raise ConfigError("FixedLengths: names, inputs and outputs must have the same non-zero length")
+        for name, i, o in zip(self.names, self.inputs, self.outputs):
+            if len(i) != len(o) or not i:
+                raise ConfigError(f"FixedLengths: type {name!r} needs as many input as output samples, at least one")
+            if min(i) < 1 or min(o) < 1:
+                raise ConfigError(f"FixedLengths: type {name!r} has a length below 1 token")
+
+    def type_lengths(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(self.inputs[j])
+        return np.array(self.inputs[j]), np.array(self.outputs[j]), np.full(n, 1.0 / n)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyTarget:
+    """The latency a replica must keep while serving at its capacity."""
+
+    tbt_s: float = 0.1
+    """Mean time between two output tokens of one request."""
+    kv_headroom_frac: float = 0.1
+    """Fraction of the KV cache kept free at capacity, so bursts do not force preemption."""
+
+    def __post_init__(self) -> None:
+        if not self.tbt_s > 0:
+            raise ConfigError(f"LatencyTarget: tbt_s must be positive, got {self.tbt_s}")
+        if not 0.0 <= self.kv_headroom_frac < 1.0:
+            raise ConfigError(f"LatencyTarget: kv_headroom_frac must be in [0, 1), got {self.kv_headroom_frac}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCapacity:
+    """How a replica of one shape serves one type at capacity."""
+
+    rate_per_s: float
+    batch_seqs: int
+    """Concurrent sequences B at capacity."""
+    tbt_s: float
+    limit: str
+    """What bounds B: 'kv', 'max_num_seqs', 'tbt', or 'tbt-unmet' when even B = 1 misses the target."""
+
+
+@dataclass
+class CapacityTable:
+    """Cached n[shape][type] for one model, GPU type and set of workload types."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    types: LengthMix
+    target: LatencyTarget = field(default_factory=LatencyTarget)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    gpus_per_node: int = 8
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    perf: PerfModel | None = None
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.perf is None:
+            self.perf = PerfModel(self.model, self.gpu, gpus_per_node=self.gpus_per_node)
+        self._samples = [self.types.type_lengths(j) for j in range(len(self.types.names))]
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return tuple(self.types.names)
+
+    def shapes(self, max_gpus: int) -> tuple[ReplicaShape, ...]:
+        """Valid shapes of at most `max_gpus` GPUs, sorted by (GPUs, TP)."""
+        return valid_shapes(self.model, self.gpu, self.gpus_per_node, max_gpus, self.memory)
+
+    def rate(self, shape: ReplicaShape, type_index: int) -> float:
+        """Requests per second a replica of `shape` sustains for type `type_index` (cached)."""
+        return self.detail(shape, type_index).rate_per_s
+
+    def matrix(self, shapes: tuple[ReplicaShape, ...] | list[ReplicaShape]) -> np.ndarray:
+        """n[k][j] for the given shapes (rows) and every type (columns)."""
+        return np.array([[self.rate(s, j) for j in range(len(self.type_names))] for s in shapes])
+
+    def detail(self, shape: ReplicaShape, type_index: int) -> ReplicaCapacity:
+        key = (shape, type_index)
+        hit = self._cache.get(key)
+        if hit is None:
+            if not 0 <= type_index < len(self._samples):
+                raise ConfigError(f"type index {type_index} outside 0..{len(self._samples) - 1}")
+            hit = self._compute(shape, type_index)
+            self._cache[key] = hit
+        return hit
+
+    def _compute(self, shape: ReplicaShape, j: int) -> ReplicaCapacity:
+        kv_tokens = kv_capacity_tokens(self.model, self.gpu, shape, self.memory)
+        if kv_tokens <= 0:
+            raise ConfigError(f"{shape} cannot hold {self.model.name} on {self.gpu.name}: no room for KV cache")
+        timer = self.perf.timer(shape)
+        inputs, outputs, weights = self._samples[j]
+        inputs = np.minimum(inputs, self.model.max_context_tokens - 1)
+        outputs = np.maximum(np.minimum(outputs, self.model.max_context_tokens - inputs), 1)
+        mean_out = float(np.dot(weights, outputs))
+        # Mean context of an in-flight sequence, weighted by the time it spends decoding (its output).
+        ctx = float(np.dot(weights, outputs * (inputs + outputs / 2.0)) / mean_out)
+        pp = shape.pp
+        usable = kv_tokens * (1.0 - self.target.kv_headroom_frac)
+        b_kv = max(1, int(usable // ctx))
+        b_max = min(b_kv, self.engine.max_num_seqs * pp)
+        limit = "kv" if b_kv <= self.engine.max_num_seqs * pp else "max_num_seqs"
+
+        def evaluate(b_total: int) -> tuple[float, float]:
+            b = max(1, round(b_total / pp))
+            decode = Batch(num_tokens=b, num_decode_seqs=b, decode_context_tokens=int(b * ctx), num_logit_rows=b)
+            t_stage = timer.bottleneck_seconds(decode)
+            d_prefill = _mean_prefill_cost(timer, decode, t_stage, inputs, weights, self.engine)
+            per_request = d_prefill + mean_out * t_stage / b
+            rate = 1.0 / per_request
+            busy_prefill = min(rate * d_prefill, 0.999)
+            tbt = pp * t_stage / (1.0 - busy_prefill)
+            return rate, tbt
+
+        rate, tbt = evaluate(b_max)
+        if tbt <= self.target.tbt_s:
+            return ReplicaCapacity(rate, b_max, tbt, limit)
+        rate1, tbt1 = evaluate(1)
+        if tbt1 > self.target.tbt_s:
+            return ReplicaCapacity(rate1, 1, tbt1, "tbt-unmet")
+        lo, hi = 1, b_max  # tbt(lo) meets the target, tbt(hi) does not; tbt grows with B
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if evaluate(mid)[1] <= self.target.tbt_s:
+                lo = mid
+            else:
+                hi = mid
+        rate, tbt = evaluate(lo)
+        return ReplicaCapacity(rate, lo, tbt, "tbt")
+
+
+def _mean_prefill_cost(timer: ShapeTimer, decode: Batch, t_decode: float, inputs: np.ndarray,
+                       weights: np.ndarray, engine: EngineConfig) -> float:
+    """E[time a prompt adds to the slowest stage], chunked by the engine's token budget, over samples."""
+    budget = max(engine.max_num_batched_tokens - decode.num_tokens, 1) if engine.chunked_prefill else None
+    total = 0.0
+    for prompt, w in zip(inputs.tolist(), weights.tolist()):
+        cost, done = 0.0, 0
+        while done < prompt:
+            chunk = prompt - done if budget is None else min(budget, prompt - done)
+            last = done + chunk >= prompt
+            extra = Batch.of([(chunk, done)], finishing_prefills=1 if last else 0)
+            cost += timer.bottleneck_seconds(decode + extra) - t_decode
+            done += chunk
+        total += w * cost
+    return total
+
+
+def homogeneous_rate(table: CapacityTable, shape: ReplicaShape, mix: np.ndarray) -> float:
+    """Total request rate one replica of `shape` sustains for a mix of types (fractions summing to 1).
+
+    Each request of type j uses 1 / n[j] of the replica, so the mix rate is 1 / sum_j(mix_j / n_j). Pure.
+    """
+    mix = np.asarray(mix, dtype=float)
+    if mix.min() < 0 or not math.isclose(mix.sum(), 1.0, rel_tol=1e-6):
+        raise ConfigError(f"mix fractions must be >= 0 and sum to 1, got {mix.tolist()}")
+    n = np.array([table.rate(shape, j) for j in range(len(mix))])
+    return float(1.0 / np.sum(mix / n))

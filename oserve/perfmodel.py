@@ -1,0 +1,248 @@
+"""Time of one engine iteration for a replica shape on a GPU type. Pure.
+
+Linear layers, element-wise operators and collectives use coefficients fitted to measured H100
+profiles (see `oserve.calibration`; they ship in `oserve/data/perf_coefficients.json`). Attention has
+no measured data, so it is modelled from first principles under the assumptions in `AttentionModel`.
+
+An iteration runs one batch: prefill chunks (new prompt tokens, each after some cached tokens) and
+decode sequences (one new token each, with their context lengths). Per pipeline stage:
+
+    stage time = layers x (linear(M) + attention + 2 all-reduces of M x hidden if TP > 1)
+                 [+ embedding on the first stage] [+ LM head on the last stage]
+
+with M the batch's tokens. A batch's latency through the pipeline is the sum of its stage times plus
+one send/recv of M x hidden per stage boundary plus a fixed per-iteration engine overhead. With
+pipeline parallelism, micro-batches overlap, so a replica's throughput is set by its slowest stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from oserve import calibration as cal
+from oserve.data import data_path
+from oserve.specs import GPUSpec, ModelSpec, ReplicaShape, kv_heads_per_gpu, stage_layers
+
+
+@lru_cache(maxsize=1)
+def shipped_coefficients() -> dict:
+    """The fitted coefficients shipped with the package (read once)."""
+    with open(data_path(cal.COEFFICIENTS_FILE)) as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionModel:
+    """First-principles attention timing; no profile covers attention kernels, so these are assumptions.
+
+    - Prefill attention (FlashAttention-style, causal): 4 x heads x head_dim FLOPs per (query, key) pair
+      (QK^T and PV, a multiply-add each), at `prefill_flops_frac` of the GPU's peak; FlashAttention-2
+      reaches 35-50% of H100 peak in the forward pass and FlashAttention-3 up to 75%: 0.5 is between.
+    - Decode attention (paged): memory-bound, reading every cached K and V byte of every sequence
+      once, at `decode_bw_frac` of peak HBM bandwidth (paged-attention kernels with many sequences
+      reach 70-85%).
+    - Writing new K/V into the cache: one write of the new tokens' K and V at the same bandwidth.
+    - `kernel_s`: launch overhead of the attention kernels of one layer.
+    """
+
+    prefill_flops_frac: float = 0.5
+    decode_bw_frac: float = 0.75
+    kernel_s: float = 8e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Aggregate of one iteration's work; build it with `Batch.of` or accumulate the sums directly.
+
+    The performance model depends on a batch only through these sums, which lets a simulator keep
+    them incrementally instead of rebuilding lists.
+    """
+
+    num_tokens: int = 0
+    """Tokens computed this iteration: prefill chunk tokens plus one per decode sequence."""
+    prefill_pairs: float = 0.0
+    """Causal (query, key) pairs of the prefill chunks: sum of chunk * (cached + (chunk + 1) / 2)."""
+    prefill_cached_tokens: int = 0
+    """Cached tokens the prefill chunks attend to (read from the KV cache)."""
+    num_decode_seqs: int = 0
+    decode_context_tokens: int = 0
+    """Sum of the decode sequences' context lengths (tokens read from the KV cache)."""
+    num_logit_rows: int = 0
+    """Rows the LM head computes: decode sequences plus prefills that finish this iteration."""
+
+    @classmethod
+    def of(cls, prefill_chunks: list[tuple[int, int]] | tuple = (), decode_contexts: list[int] | tuple = (),
+           finishing_prefills: int | None = None) -> Batch:
+        """Batch from (chunk_tokens, cached_tokens) prefill chunks and decode context lengths.
+
+        `finishing_prefills` defaults to every chunk (each chunk ends its prompt).
+        """
+        pairs = sum(c * (p + (c + 1) / 2) for c, p in prefill_chunks)
+        n_pf = len(prefill_chunks) if finishing_prefills is None else finishing_prefills
+        return cls(num_tokens=sum(c for c, _ in prefill_chunks) + len(decode_contexts), prefill_pairs=pairs,
+                   prefill_cached_tokens=sum(p for _, p in prefill_chunks), num_decode_seqs=len(decode_contexts),
+                   decode_context_tokens=sum(decode_contexts), num_logit_rows=n_pf + len(decode_contexts))
+
+    def __add__(self, other: Batch) -> Batch:
+        return Batch(self.num_tokens + other.num_tokens, self.prefill_pairs + other.prefill_pairs,
+                     self.prefill_cached_tokens + other.prefill_cached_tokens,
+                     self.num_decode_seqs + other.num_decode_seqs,
+                     self.decode_context_tokens + other.decode_context_tokens,
+                     self.num_logit_rows + other.num_logit_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class PerfModel:
+    """Iteration times of `model` on `gpu`; `timer(shape)` gives a fast per-shape evaluator."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    gpus_per_node: int = 8
+    """Decides whether pipeline stages talk over NVLink or the network."""
+    iteration_overhead_s: float = 1.5e-3
+    """Engine time per iteration outside the GPU kernels (scheduling, sampling, launch), an assumption."""
+    attention: AttentionModel = field(default_factory=AttentionModel)
+    coefficients: dict | None = field(default=None, hash=False, compare=False)
+    """Fitted coefficients; None uses the shipped ones."""
+
+    def timer(self, shape: ReplicaShape) -> ShapeTimer:
+        return _timer(self, shape)
+
+    def iteration_seconds(self, shape: ReplicaShape, batch: Batch) -> float:
+        """Latency of one batch through every stage of a replica of `shape`."""
+        return self.timer(shape).iteration_seconds(batch)
+
+
+@lru_cache(maxsize=4096)
+def _timer(perf: PerfModel, shape: ReplicaShape) -> ShapeTimer:
+    return ShapeTimer(perf, shape)
+
+
+class ShapeTimer:
+    """Per-shape evaluator with every constant folded; all methods are pure."""
+
+    def __init__(self, perf: PerfModel, shape: ReplicaShape) -> None:
+        coeffs = perf.coefficients or shipped_coefficients()
+        m, gpu, tp = perf.model, perf.gpu, shape.tp
+        self.shape = shape
+        self.model = m
+        self.layers = stage_layers(m.num_layers, shape.pp)
+        self._bytes = m.bytes_per_param
+        self._gemm = coeffs["gemm"]
+        self._peak, self._hbm = gpu.peak_flops, gpu.hbm_bytes_per_s
+        # Element-wise costs were measured on the calibration GPU; they scale with HBM bandwidth.
+        bw_scale = coeffs["gpu"]["hbm_bytes_per_s"] / gpu.hbm_bytes_per_s
+        dims = cal.gemm_dims(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, tp, m.gated_mlp)
+        self._gemm_kn = tuple(dims[op] for op in cal.GEMM_OPS)
+        widths = cal.elementwise_widths(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, tp,
+                                        m.gated_mlp)
+        ew = coeffs["elementwise"]
+        self._elem_a = sum(ew[op]["a_s"] for op in cal.ELEMENTWISE_OPS)
+        self._elem_b = sum(ew[op]["b_s_per_elem"] * float(widths[op]) for op in cal.ELEMENTWISE_OPS) * bw_scale
+        # Embedding lookup and final norm: element-wise over hidden, like a residual add.
+        self._embed_b = ew["add"]["b_s_per_elem"] * m.hidden_size * bw_scale
+        self._lm_head_kn = (m.hidden_size, -(-m.vocab_size // tp))
+        att = perf.attention
+        heads_gpu = m.num_heads // tp
+        kv_bytes_per_token_layer = 2 * kv_heads_per_gpu(m, tp) * m.head_dim * m.bytes_per_param
+        self._attn_kernel_s = att.kernel_s
+        self._pair_s = 4.0 * heads_gpu * m.head_dim / (att.prefill_flops_frac * gpu.peak_flops)
+        self._kv_read_s = kv_bytes_per_token_layer / (att.decode_bw_frac * gpu.hbm_bytes_per_s)
+        self._act_bytes_per_token = m.hidden_size * m.bytes_per_param
+        collectives = coeffs["collectives"]
+        self._all_reduce = _all_reduce_curve(collectives, tp) if tp > 1 else None
+        spans_nodes = shape.num_gpus > perf.gpus_per_node
+        self._send_recv = collectives["send_recv_inter" if spans_nodes else "send_recv_intra"]
+        self.iteration_overhead_s = perf.iteration_overhead_s
+        self._linear_cache: dict[int, float] = {}
+
+    # --- pieces ---------------------------------------------------------------------------------
+
+    def linear_seconds(self, num_tokens: int) -> float:
+        """One layer's GEMMs and element-wise operators for `num_tokens` tokens (cached by count)."""
+        hit = self._linear_cache.get(num_tokens)
+        if hit is not None:
+            return hit
+        t = self._elem_a + self._elem_b * num_tokens
+        for k, n in self._gemm_kn:
+            t += float(cal.gemm_seconds(self._gemm, num_tokens, k, n, self._peak, self._hbm))
+        if len(self._linear_cache) < 65536:
+            self._linear_cache[num_tokens] = t
+        return t
+
+    def attention_seconds(self, batch: Batch) -> float:
+        """One layer's attention for the batch (assumptions in AttentionModel)."""
+        if batch.num_tokens == 0:
+            return 0.0
+        kv_tokens = batch.decode_context_tokens + batch.prefill_cached_tokens + batch.num_tokens  # read + write
+        return self._attn_kernel_s + batch.prefill_pairs * self._pair_s + kv_tokens * self._kv_read_s
+
+    def all_reduce_seconds(self, num_tokens: int) -> float:
+        if self._all_reduce is None or num_tokens == 0:
+            return 0.0
+        return float(cal.collective_seconds(self._all_reduce, num_tokens * self._act_bytes_per_token))
+
+    def send_recv_seconds(self, num_tokens: int) -> float:
+        if self.shape.pp == 1 or num_tokens == 0:
+            return 0.0
+        return float(cal.collective_seconds(self._send_recv, num_tokens * self._act_bytes_per_token))
+
+    def lm_head_seconds(self, rows: int) -> float:
+        if rows == 0:
+            return 0.0
+        k, n = self._lm_head_kn
+        return float(cal.gemm_seconds(self._gemm, rows, k, n, self._peak, self._hbm))
+
+    # --- whole iterations ----------------------------------------------------------------------
+
+    def stage_seconds(self, batch: Batch) -> tuple[float, ...]:
+        """GPU time of each pipeline stage for the batch."""
+        if batch.num_tokens == 0:
+            return tuple(0.0 for _ in self.layers)
+        m = batch.num_tokens
+        per_layer = self.linear_seconds(m) + self.attention_seconds(batch) + 2.0 * self.all_reduce_seconds(m)
+        out = [n * per_layer for n in self.layers]
+        out[0] += self._embed_b * m
+        out[-1] += self.lm_head_seconds(batch.num_logit_rows) + self._embed_b * m
+        return tuple(out)
+
+    def iteration_seconds(self, batch: Batch) -> float:
+        """Latency of the batch through all stages, with stage-boundary transfers and engine overhead."""
+        if batch.num_tokens == 0:
+            return 0.0
+        return (sum(self.stage_seconds(batch)) + (self.shape.pp - 1) * self.send_recv_seconds(batch.num_tokens)
+                + self.iteration_overhead_s)
+
+    def bottleneck_seconds(self, batch: Batch) -> float:
+        """Time the slowest stage is busy with the batch (with its share of overhead and transfer).
+
+        With PP micro-batches in flight, a replica completes one micro-batch per bottleneck time.
+        """
+        if batch.num_tokens == 0:
+            return 0.0
+        return max(self.stage_seconds(batch)) + self.send_recv_seconds(batch.num_tokens) + \
+            self.iteration_overhead_s / self.shape.pp
+
+
+def _all_reduce_curve(collectives: dict, tp: int) -> dict[str, list[float]]:
+    """The all-reduce curve for a group of `tp` GPUs; unmeasured sizes interpolate in log time.
+
+    Measured groups are 2, 4 and 8; a group of 3 lies between 2 and 4, of 5-7 between 4 and 8
+    (weights by log of the group size), which keeps time monotone in the group size.
+    """
+    measured = sorted(int(k.rsplit("_", 1)[1]) for k in collectives if k.startswith("all_reduce_"))
+    if tp in measured:
+        return collectives[f"all_reduce_{tp}"]
+    lo = max([n for n in measured if n < tp], default=measured[0])
+    hi = min([n for n in measured if n > tp], default=measured[-1])
+    a, b = collectives[f"all_reduce_{lo}"], collectives[f"all_reduce_{hi}"]
+    w = 0.0 if hi == lo else (math.log(tp) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    sizes = sorted(set(a["size_bytes"]) | set(b["size_bytes"]))
+    ta = np.log(cal.collective_seconds(a, sizes))
+    tb = np.log(cal.collective_seconds(b, sizes))
+    return {"size_bytes": list(map(float, sizes)), "seconds": np.exp((1 - w) * ta + w * tb).tolist()}
