@@ -18,7 +18,7 @@ model under a steady-state model of continuous batching:
   share), and it must stay within the latency target.
 - B is bounded by the KV cache (B sequences of mean in-flight context, weighted by how long each is
   in flight, with `kv_headroom_frac` kept free for bursts), by `max_num_seqs` per micro-batch, and by
-  the TBT target; lambda grows with B, so the largest feasible B gives the capacity.
+  the TBT target; the capacity is the best rate over the feasible B.
 A shape that meets the target at no batch size still gets its B = 1 rate, so capacity is positive and
 finite for every valid shape (the scheduler sees it as a slow replica rather than a missing one).
 """
@@ -107,6 +107,8 @@ class CapacityTable:
     gpus_per_node: int = 8
     engine: EngineConfig = field(default_factory=EngineConfig)
     perf: PerfModel | None = None
+    max_replica_gpus: int = 16
+    """Largest replica considered: beyond two nodes, pipeline bubbles and network hops only cost."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -119,8 +121,9 @@ class CapacityTable:
         return tuple(self.types.names)
 
     def shapes(self, max_gpus: int) -> tuple[ReplicaShape, ...]:
-        """Valid shapes of at most `max_gpus` GPUs, sorted by (GPUs, TP)."""
-        return valid_shapes(self.model, self.gpu, self.gpus_per_node, max_gpus, self.memory)
+        """Valid shapes of at most `max_gpus` (and `max_replica_gpus`) GPUs, sorted by (GPUs, TP)."""
+        return valid_shapes(self.model, self.gpu, self.gpus_per_node, min(max_gpus, self.max_replica_gpus),
+                            self.memory)
 
     def rate(self, shape: ReplicaShape, type_index: int) -> float:
         """Requests per second a replica of `shape` sustains for type `type_index` (cached)."""
@@ -168,38 +171,50 @@ class CapacityTable:
             tbt = pp * t_stage / (1.0 - busy_prefill)
             return rate, tbt
 
-        rate, tbt = evaluate(b_max)
-        if tbt <= self.target.tbt_s:
-            return ReplicaCapacity(rate, b_max, tbt, limit)
-        rate1, tbt1 = evaluate(1)
-        if tbt1 > self.target.tbt_s:
-            return ReplicaCapacity(rate1, 1, tbt1, "tbt-unmet")
-        lo, hi = 1, b_max  # tbt(lo) meets the target, tbt(hi) does not; tbt grows with B
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if evaluate(mid)[1] <= self.target.tbt_s:
-                lo = mid
-            else:
-                hi = mid
-        rate, tbt = evaluate(lo)
-        return ReplicaCapacity(rate, lo, tbt, "tbt")
+        # Rate is not monotone in B everywhere (the prefill chunk budget shrinks and GEMM tiles
+        # quantise), so take the best feasible B among fixed candidates; the candidates do not depend
+        # on the target, so a looser target can only enlarge the feasible set.
+        best: ReplicaCapacity | None = None
+        for b_total in _candidates(b_max):
+            rate, tbt = evaluate(b_total)
+            if tbt <= self.target.tbt_s and (best is None or rate > best.rate_per_s):
+                best = ReplicaCapacity(rate, b_total, tbt, limit if b_total == b_max else "tbt")
+        if best is None:
+            rate, tbt = evaluate(1)
+            best = ReplicaCapacity(rate, 1, tbt, "tbt-unmet")
+        return best
+
+
+def _candidates(b_max: int) -> list[int]:
+    """Batch sizes 1..b_max in steps of about 25%, always including b_max."""
+    out, b = [], 1
+    while b < b_max:
+        out.append(b)
+        b = max(b + 1, int(b * 1.25))
+    out.append(b_max)
+    return out
 
 
 def _mean_prefill_cost(timer: ShapeTimer, decode: Batch, t_decode: float, inputs: np.ndarray,
                        weights: np.ndarray, engine: EngineConfig) -> float:
     """E[time a prompt adds to the slowest stage], chunked by the engine's token budget, over samples."""
+    inputs = np.asarray(inputs, dtype=np.int64)
     budget = max(engine.max_num_batched_tokens - decode.num_tokens, 1) if engine.chunked_prefill else None
-    total = 0.0
-    for prompt, w in zip(inputs.tolist(), weights.tolist()):
-        cost, done = 0.0, 0
-        while done < prompt:
-            chunk = prompt - done if budget is None else min(budget, prompt - done)
-            last = done + chunk >= prompt
-            extra = Batch.of([(chunk, done)], finishing_prefills=1 if last else 0)
-            cost += timer.bottleneck_seconds(decode + extra) - t_decode
-            done += chunk
-        total += w * cost
-    return total
+    if budget is None:
+        n_chunks = np.ones_like(inputs)
+    else:
+        n_chunks = -(-inputs // budget)
+    owner = np.repeat(np.arange(len(inputs)), n_chunks)  # chunk -> its sample
+    first = np.cumsum(n_chunks) - n_chunks
+    index = np.arange(len(owner)) - first[owner]  # chunk's position within its prompt
+    done = index * (budget or 0)
+    chunk = np.minimum(inputs[owner] - done, budget) if budget is not None else inputs[owner]
+    last = (index == n_chunks[owner] - 1).astype(float)
+    pairs = chunk * (done + (chunk + 1) / 2.0)
+    kv = decode.decode_context_tokens + decode.num_tokens + done + chunk
+    t = timer.bottleneck_seconds_many(decode.num_tokens + chunk, pairs, kv, decode.num_logit_rows + last)
+    cost = np.bincount(owner, weights=t - t_decode, minlength=len(inputs))
+    return float(np.dot(weights, cost))
 
 
 def homogeneous_rate(table: CapacityTable, shape: ReplicaShape, mix: np.ndarray) -> float:

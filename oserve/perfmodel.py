@@ -228,6 +228,32 @@ class ShapeTimer:
         return max(self.stage_seconds(batch)) + self.send_recv_seconds(batch.num_tokens) + \
             self.iteration_overhead_s / self.shape.pp
 
+    def bottleneck_seconds_many(self, num_tokens: np.ndarray, prefill_pairs: np.ndarray,
+                                kv_tokens: np.ndarray, logit_rows: np.ndarray) -> np.ndarray:
+        """`bottleneck_seconds` for many batches at once, given as arrays of their sums. Pure.
+
+        `kv_tokens` is the KV traffic of a batch: decode contexts plus cached prefill tokens plus the
+        batch's own tokens (written). Matches the scalar path to rounding.
+        """
+        m = np.asarray(num_tokens, dtype=float)
+        linear = self._elem_a + self._elem_b * m
+        for k, n in self._gemm_kn:
+            linear = linear + cal.gemm_seconds(self._gemm, m, k, n, self._peak, self._hbm)
+        attn = self._attn_kernel_s + np.asarray(prefill_pairs) * self._pair_s + np.asarray(kv_tokens) * self._kv_read_s
+        per_layer = linear + attn
+        if self._all_reduce is not None:
+            per_layer = per_layer + 2.0 * cal.collective_seconds(self._all_reduce, m * self._act_bytes_per_token)
+        rows = np.asarray(logit_rows, dtype=float)
+        k, n = self._lm_head_kn
+        lm_head = np.where(rows > 0, cal.gemm_seconds(self._gemm, np.maximum(rows, 1), k, n, self._peak, self._hbm), 0.0)
+        stages = [n_layers * per_layer for n_layers in self.layers]
+        stages[0] = stages[0] + self._embed_b * m
+        stages[-1] = stages[-1] + lm_head + self._embed_b * m
+        out = np.max(np.stack(stages), axis=0)
+        if self.shape.pp > 1:
+            out = out + cal.collective_seconds(self._send_recv, m * self._act_bytes_per_token)
+        return np.where(m > 0, out + self.iteration_overhead_s / self.shape.pp, 0.0)
+
 
 def _all_reduce_curve(collectives: dict, tp: int) -> dict[str, list[float]]:
     """The all-reduce curve for a group of `tp` GPUs; unmeasured sizes interpolate in log time.

@@ -9,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from oserve.cli import bench_app
+from pathlib import Path
+
+from oserve.cli import app, bench_app
 
 
 @bench_app.command("perfmodel")
@@ -53,3 +55,26 @@ def bench_perfmodel(
     for key, s in colls["per_key"].items():
         table.add_row(key, "every 5th size", str(s["points"]), f"{s['mape']:.2%}", "")
     console.print(table)
+
+
+@app.command("calibrate")
+def calibrate(
+    profiling: Path = typer.Option(..., help="Vidur's profiling folder (holds h100/ and h100_dgx/)."),
+    out: Path = typer.Option(None, help="Where to write the compact tables and coefficients; "
+                                        "default: the installed package's data folder."),
+) -> None:
+    """Rebuild the shipped profile extract and fitted coefficients from Vidur's profiling CSVs."""
+    from oserve import calibration as cal
+    from oserve.data import data_path
+    from oserve.specs import GPUS
+
+    gpu = GPUS["h100-80gb"]
+    target = out or data_path(cal.COEFFICIENTS_FILE).parent
+    target.mkdir(parents=True, exist_ok=True)
+    layer_rows, coll_rows = cal.extract_profiles(profiling)
+    cal.write_compact(layer_rows, coll_rows, target)
+    coeffs = cal.fit_all(layer_rows, coll_rows, gpu.peak_flops, gpu.hbm_bytes_per_s)
+    with open(target / cal.COEFFICIENTS_FILE, "w") as f:
+        json.dump(coeffs, f, indent=1, sort_keys=True)
+    typer.echo(f"wrote {len(layer_rows)} layer points, {len(coll_rows)} collective points and "
+               f"{cal.COEFFICIENTS_FILE} to {target}")

@@ -1,0 +1,134 @@
+"""Performance model: calibration reproduces its shipped coefficients, held-out accuracy, physics."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import SHARED_DATA
+from oserve import calibration as cal
+from oserve.data import data_path
+from oserve.perfmodel import Batch, PerfModel, shipped_coefficients
+from oserve.specs import GPUS, MODELS, ReplicaShape, model_preset, valid_shapes
+
+H100 = GPUS["h100-80gb"]
+DATA_DIR = data_path(cal.COEFFICIENTS_FILE).parent
+
+
+@pytest.fixture(scope="module")
+def compact():
+    return cal.read_compact(DATA_DIR)
+
+
+def test_shipped_coefficients_are_the_fit_of_the_shipped_points(compact):
+    refit = cal.fit_all(*compact, H100.peak_flops, H100.hbm_bytes_per_s)
+    shipped = shipped_coefficients()
+    assert json.loads(json.dumps(refit, sort_keys=True)) == shipped
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "profiling").exists(), reason="../shared/data/profiling not present")
+def test_shipped_points_are_exactly_the_measured_medians(compact):
+    layers, colls = cal.extract_profiles(SHARED_DATA / "profiling")
+    assert (layers, colls) == compact
+
+
+def test_held_out_accuracy_meets_target(compact):
+    s = cal.score(*compact, H100.peak_flops, H100.hbm_bytes_per_s)
+    assert s["layers"]["mape"] <= 0.10
+    assert s["layers"]["points"] == 3132
+    assert all(m["mape"] <= 0.10 for m in s["layers"]["per_model"].values())
+    assert s["collectives"]["mape"] <= 0.15
+
+
+def test_gemm_roofline_limits():
+    g = shipped_coefficients()["gemm"]
+    k, n = 8192, 57344
+    big = cal.gemm_seconds(g, 1 << 16, k, n, H100.peak_flops, H100.hbm_bytes_per_s)
+    achieved = 2 * (1 << 16) * k * n / big
+    assert 0.5 * H100.peak_flops < achieved <= H100.peak_flops  # compute-bound: a plausible fraction of peak
+    small = cal.gemm_seconds(g, 1, k, n, H100.peak_flops, H100.hbm_bytes_per_s)
+    assert 2 * k * n / small <= H100.hbm_bytes_per_s  # memory-bound: never faster than HBM allows
+
+
+def test_collective_curve_is_monotone_and_extrapolates():
+    curve = shipped_coefficients()["collectives"]["all_reduce_8"]
+    sizes = np.geomspace(1, 1 << 30, 200)
+    t = cal.collective_seconds(curve, sizes)
+    assert np.all(np.diff(t) >= 0) and np.all(t > 0)
+
+
+models = st.sampled_from(sorted(MODELS))
+
+
+def _shapes(name):
+    return valid_shapes(MODELS[name], H100, 8, 16)
+
+
+@given(name=models, data=st.data(), tokens=st.integers(1, 8192), extra=st.integers(1, 4096))
+def test_more_tokens_never_faster(name, data, tokens, extra):
+    shape = data.draw(st.sampled_from(_shapes(name)))
+    timer = PerfModel(MODELS[name], H100).timer(shape)
+    a = timer.iteration_seconds(Batch.of([(tokens, 0)]))
+    b = timer.iteration_seconds(Batch.of([(tokens + extra, 0)]))
+    assert b >= a > 0
+    seqs = min(tokens, 512)
+    d1 = timer.iteration_seconds(Batch.of(decode_contexts=[100] * seqs))
+    d2 = timer.iteration_seconds(Batch.of(decode_contexts=[100] * seqs + [100] * min(extra, 256)))
+    d3 = timer.iteration_seconds(Batch.of(decode_contexts=[100 + extra] * seqs))
+    assert d2 >= d1 and d3 >= d1
+
+
+@given(name=models, seqs=st.integers(1, 256), ctx=st.integers(1, 2048))
+def test_more_pp_stages_never_slower_bottleneck(name, seqs, ctx):
+    pm = PerfModel(MODELS[name], H100)
+    shapes = _shapes(name)
+    batch = Batch.of(decode_contexts=[ctx] * seqs)
+    for s in shapes:
+        deeper = ReplicaShape(s.tp, s.pp * 2)
+        if deeper in shapes and deeper.num_gpus <= 8:
+            assert pm.timer(deeper).bottleneck_seconds(batch) <= pm.timer(s).bottleneck_seconds(batch) * 1.0001
+
+
+def test_batch_of_matches_manual_sums():
+    b = Batch.of([(100, 0), (50, 200)], [10, 20, 30])
+    assert b.num_tokens == 153 and b.num_decode_seqs == 3 and b.decode_context_tokens == 60
+    assert b.prefill_pairs == pytest.approx(100 * 50.5 + 50 * (200 + 25.5))
+    assert b.num_logit_rows == 5 and b.prefill_cached_tokens == 200
+
+
+def test_plausible_llama70b_times():
+    """Cross-check against first principles: prefill near compute roofline, decode near weight streaming."""
+    m = model_preset("llama2-70b")
+    t = PerfModel(m, H100).timer(ReplicaShape(4))
+    prefill = t.iteration_seconds(Batch.of([(4096, 0)]))
+    ideal = 2 * m.num_params * 4096 / (4 * H100.peak_flops)
+    assert ideal < prefill < 3 * ideal
+    decode = t.iteration_seconds(Batch.of(decode_contexts=[1]))
+    stream = m.weight_bytes / 4 / H100.hbm_bytes_per_s
+    assert stream < decode < 4 * stream
+    assert math.isfinite(prefill) and math.isfinite(decode)
+
+
+def test_a100_is_slower_than_h100():
+    m = model_preset("llama2-70b")
+    batch = Batch.of([(2048, 0)], [500] * 32)
+    h = PerfModel(m, H100).iteration_seconds(ReplicaShape(4), batch)
+    a = PerfModel(m, GPUS["a100-80gb"]).iteration_seconds(ReplicaShape(4), batch)
+    assert a > h
+
+
+@given(name=models, data=st.data(), chunk=st.integers(0, 8192), cached=st.integers(0, 4096),
+       contexts=st.lists(st.integers(1, 4096), max_size=64))
+def test_vectorised_bottleneck_matches_scalar(name, data, chunk, cached, contexts):
+    shape = data.draw(st.sampled_from(_shapes(name)))
+    timer = PerfModel(MODELS[name], H100).timer(shape)
+    b = Batch.of([(chunk, cached)] if chunk else [], contexts)
+    v = timer.bottleneck_seconds_many(np.array([b.num_tokens]), np.array([b.prefill_pairs]),
+                                      np.array([b.decode_context_tokens + b.prefill_cached_tokens + b.num_tokens]),
+                                      np.array([b.num_logit_rows]))[0]
+    assert v == pytest.approx(timer.bottleneck_seconds(b), rel=1e-12, abs=1e-15)
