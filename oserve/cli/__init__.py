@@ -22,7 +22,7 @@ from oserve.cli import bench_cmds, demo_cmd, trace_cmds  # noqa: E402,F401
 def main() -> None:
     """Entry point: run the app; an OServeError becomes a one-line message and exit code 2."""
     try:
-        app(standalone_mode=False)
+        rv = app(standalone_mode=False)
     except OServeError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -31,10 +31,8 @@ def main() -> None:
     except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(130)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
-        raise
+    except typer.TyperException as exc:  # typer's bundled click: usage errors in non-standalone mode
+        exc.show()
+        sys.exit(2)
+    if isinstance(rv, int) and rv:
+        sys.exit(rv)

@@ -25,9 +25,9 @@ def demo(
     from oserve.specs import GPUS, model_preset
     from oserve.workload import fit_types, load_trace
 
+    spec = model_preset(model)
     console = Console()
     console.print(f"[yellow]{NOT_YET}[/yellow]")
-    spec = model_preset(model)
     trace = load_trace("azure-conv")
     types = fit_types(trace.input_tokens, trace.output_tokens)
     t = Table(title=f"Workload types of {trace.name} ({len(trace)} requests, {trace.duration_s / 60:.1f} min)")

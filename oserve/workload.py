@@ -1,0 +1,678 @@
+"""Request traces and workload types: load a trace, cluster requests into types, count types per span.
+
+Pure core: no asyncio, no NATS, no clock reads, no environment reads; the only files read are the ones
+handed to `load_trace` (a path, or the name of a trace shipped in `oserve.data`). Randomness comes in
+as a seed.
+
+A request is a point (input tokens, output tokens). Types are k-means clusters of these points in log
+space, `(log1p(input_tokens), log1p(output_tokens))`, named by position as the OServe paper does
+(SISO, SILO, LISO, LILO: short/long input, short/long output) and kept stable across refits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from scipy.optimize import linear_sum_assignment
+
+from oserve.data import data_path
+from oserve.errors import ConfigError, TraceError
+
+# bundled trace name -> file in oserve.data (see oserve/data/ATTRIBUTION.md)
+BUNDLED_TRACES: dict[str, str] = {
+    "azure-conv": "azure_2023_conv.csv",
+    "azure-code": "azure_2023_code.csv",
+}
+
+# Azure LLM inference trace columns: arrival, input tokens, output tokens
+AZURE_COLUMNS: tuple[str, str, str] = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+# JSON Lines fields: arrival in seconds, input tokens, output tokens
+JSONL_FIELDS: tuple[str, str, str] = ("timestamp", "input_length", "output_length")
+
+_CSV_SUFFIXES = (".csv",)
+_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_AZURE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S%.f"  # %.f: optional fraction, up to 9 digits (Azure has 7)
+
+NAMES_4: tuple[str, str, str, str] = ("SISO", "SILO", "LISO", "LILO")
+# grid corner (input long?, output long?) of each name in NAMES_4, in the same order
+_CORNERS_4 = np.array([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+
+NUM_LENGTH_SAMPLES = 32  # representative lengths kept per type (quantiles of its members)
+
+
+# --------------------------------------------------------------------------------------------------
+# Requests and traces
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a trace: when it arrives and how long its prompt and its answer are."""
+
+    request_id: str
+    arrival_s: float  # seconds from the start of the trace
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Trace:
+    """A request trace as columns: arrivals sorted ascending, in seconds from the trace's time origin.
+
+    A loaded trace's first request arrives at 0. A slice keeps the time origin of its window (its
+    first request may arrive after 0), so spans counted on a slice line up with the window. The arrays
+    are copied and made read-only; equality is identity (compare the arrays yourself).
+    """
+
+    arrival_s: np.ndarray  # float64, sorted ascending, >= 0
+    input_tokens: np.ndarray  # int64, >= 0
+    output_tokens: np.ndarray  # int64, >= 0
+    name: str = "trace"
+
+    def __post_init__(self) -> None:
+        arrival_s = np.array(self.arrival_s, dtype=np.float64)
+        input_tokens = np.array(self.input_tokens, dtype=np.int64)
+        output_tokens = np.array(self.output_tokens, dtype=np.int64)
+        if not (arrival_s.ndim == input_tokens.ndim == output_tokens.ndim == 1):
+            raise ConfigError("Trace columns must be 1-D arrays")
+        if not (len(arrival_s) == len(input_tokens) == len(output_tokens)):
+            raise ConfigError(
+                f"Trace columns differ in length: arrival_s {len(arrival_s)}, "
+                f"input_tokens {len(input_tokens)}, output_tokens {len(output_tokens)}")
+        if len(arrival_s):
+            if not np.all(np.isfinite(arrival_s)) or arrival_s[0] < 0:
+                raise ConfigError(f"Trace arrival_s must be finite and >= 0; first is {arrival_s[0]!r}")
+            if np.any(np.diff(arrival_s) < 0):
+                raise ConfigError("Trace arrival_s must be sorted ascending")
+            if input_tokens.min() < 0 or output_tokens.min() < 0:
+                raise ConfigError("Trace token counts must be >= 0")
+        for name, arr in (("arrival_s", arrival_s), ("input_tokens", input_tokens),
+                          ("output_tokens", output_tokens)):
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def __repr__(self) -> str:
+        return f"Trace(name={self.name!r}, num_requests={len(self)}, duration_s={self.duration_s:.3f})"
+
+    @property
+    def duration_s(self) -> float:
+        """Time from the trace's origin to its last arrival (0 for an empty trace). Pure."""
+        return float(self.arrival_s[-1]) if len(self.arrival_s) else 0.0
+
+    def requests(self) -> Iterator[Request]:
+        """Yield the requests in arrival order; ids are `{name}-{index}`. Pure."""
+        name = self.name
+        for i, (t, n_in, n_out) in enumerate(zip(self.arrival_s.tolist(), self.input_tokens.tolist(),
+                                                 self.output_tokens.tolist())):
+            yield Request(f"{name}-{i}", t, n_in, n_out)
+
+    def slice_time(self, start_s: float, end_s: float) -> Trace:
+        """The requests arriving in [start_s, end_s), with times re-based so start_s becomes 0. Pure."""
+        if not (math.isfinite(start_s) and math.isfinite(end_s)) or end_s < start_s:
+            raise ConfigError(f"slice_time needs finite start_s <= end_s; got {start_s!r}, {end_s!r}")
+        lo, hi = np.searchsorted(self.arrival_s, [start_s, end_s], side="left")
+        return Trace(self.arrival_s[lo:hi] - start_s, self.input_tokens[lo:hi],
+                     self.output_tokens[lo:hi], name=f"{self.name}[{start_s:g}:{end_s:g}]")
+
+    @classmethod
+    def from_requests(cls, requests: list[Request] | tuple[Request, ...], name: str = "trace") -> Trace:
+        """Build a trace from requests (sorted by arrival, stably; ids are not kept). Pure."""
+        arrival_s = np.array([r.arrival_s for r in requests], dtype=np.float64)
+        order = np.argsort(arrival_s, kind="stable")
+        return cls(arrival_s[order],
+                   np.array([r.input_tokens for r in requests], dtype=np.int64)[order],
+                   np.array([r.output_tokens for r in requests], dtype=np.int64)[order], name=name)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_trace(path: str | os.PathLike[str]) -> Trace:
+    """Read a trace file (Azure CSV or JSON Lines) or a bundled trace by name; reads only that file.
+
+    Formats, told apart by the file extension:
+    - `.csv`: the Azure LLM inference trace, columns `TIMESTAMP` (`YYYY-MM-DD HH:MM:SS.fffffff`),
+      `ContextTokens`, `GeneratedTokens`; other columns are ignored.
+    - `.jsonl`, `.json`, `.ndjson`: one JSON object per line with `timestamp` (seconds),
+      `input_length` and `output_length` (tokens).
+    Bundled names: `azure-conv`, `azure-code` (see `oserve/data/ATTRIBUTION.md`).
+
+    Blank lines are skipped. Rows are sorted by arrival (stably) if the file is not, and times are
+    shifted so the first request arrives at 0. Token counts must be whole numbers >= 0 (`12.0` is
+    accepted). Raises TraceError naming the problem and, for a bad value, its 1-based line number in
+    the file (a CSV header is line 1).
+    """
+    if isinstance(path, str) and path in BUNDLED_TRACES:
+        file_path, name = data_path(BUNDLED_TRACES[path]), path
+    else:
+        file_path = Path(path)
+        name = file_path.stem
+    if not file_path.exists():
+        raise TraceError(f"trace file not found: {str(path)!r} "
+                         f"(bundled traces: {', '.join(BUNDLED_TRACES)})")
+    if file_path.is_dir():
+        raise TraceError(f"trace path is a directory, not a file: {str(path)!r}")
+    suffix = file_path.suffix.lower()
+    if suffix in _CSV_SUFFIXES:
+        arrival_s, input_tokens, output_tokens = _read_azure_csv(file_path)
+    elif suffix in _JSONL_SUFFIXES:
+        arrival_s, input_tokens, output_tokens = _read_jsonl(file_path)
+    else:
+        raise TraceError(f"cannot tell the format of {str(path)!r} from its extension {suffix!r}: "
+                         f"expected .csv (Azure) or .jsonl/.json/.ndjson (JSON Lines)")
+    if np.any(np.diff(arrival_s) < 0):
+        order = np.argsort(arrival_s, kind="stable")
+        arrival_s, input_tokens, output_tokens = arrival_s[order], input_tokens[order], output_tokens[order]
+    return Trace(arrival_s, input_tokens, output_tokens, name=name)
+
+
+def _read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parse an Azure trace CSV into (arrival_s from the first request, input, output). Reads `path`."""
+    try:
+        df = pl.read_csv(path, infer_schema=False)
+    except pl.exceptions.NoDataError:
+        raise TraceError(f"{path}: empty trace (the file is empty)") from None
+    except pl.exceptions.PolarsError as exc:
+        _raise_csv_shape_error(path)
+        raise TraceError(f"{path}: cannot read as CSV: {_first_line(exc)}") from None
+    missing = [c for c in AZURE_COLUMNS if c not in df.columns]
+    if missing:
+        raise TraceError(f"{path}: missing column{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(missing)}; the file has columns: {', '.join(df.columns) or '(none)'}")
+    # polars keeps blank lines as rows of nulls, so row i is line i + 2 (the header is line 1)
+    df = (df.select([pl.col(c).str.strip_chars() for c in AZURE_COLUMNS])
+          .with_row_index("_line", offset=2)
+          .filter(~pl.all_horizontal([pl.col(c).is_null() | (pl.col(c) == "") for c in AZURE_COLUMNS])))
+    if df.height == 0:
+        raise TraceError(f"{path}: empty trace (a header and no rows)")
+    lines = df["_line"]
+    for col in AZURE_COLUMNS:
+        _check_present(path, df[col], col, lines)
+    stamps = df["TIMESTAMP"].str.strptime(pl.Datetime("ns"), _AZURE_TIME_FORMAT, strict=False)
+    bad = stamps.is_null()
+    if bad.any():
+        _raise_bad_rows(path, bad, lines, df["TIMESTAMP"],
+                        "cannot parse TIMESTAMP {value!r}; expected YYYY-MM-DD HH:MM:SS[.fffffff]")
+    ns = stamps.cast(pl.Int64).to_numpy()
+    arrival_s = (ns - ns.min()).astype(np.float64) / 1e9  # subtract in int64: keeps the 100-ns ticks
+    input_tokens = _tokens(path, df["ContextTokens"], "ContextTokens", lines)
+    output_tokens = _tokens(path, df["GeneratedTokens"], "GeneratedTokens", lines)
+    return arrival_s, input_tokens, output_tokens
+
+
+def _read_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parse a JSON Lines trace into (arrival_s from the first request, input, output). Reads `path`."""
+    if path.stat().st_size == 0:
+        raise TraceError(f"{path}: empty trace (the file is empty)")
+    try:
+        df = pl.read_ndjson(path, infer_schema_length=None)
+    except pl.exceptions.PolarsError as exc:
+        _raise_jsonl_syntax_error(path)
+        raise TraceError(f"{path}: cannot read as JSON Lines: {_first_line(exc)}") from None
+    if df.height == 0:
+        raise TraceError(f"{path}: empty trace (no JSON objects)")
+    missing = [c for c in JSONL_FIELDS if c not in df.columns]
+    if missing:
+        raise TraceError(f"{path}: missing field{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(missing)}; the objects have fields: "
+                         f"{', '.join(df.columns) or '(none)'}")
+    # polars skips blank lines; map row -> line only when an error needs it (one pass over the file)
+    lines = _LazyLines(path)
+    for col in JSONL_FIELDS:
+        _check_present(path, df[col], col, lines)
+    stamps = _as_float(path, df["timestamp"], "timestamp")
+    bad = stamps.is_null() | ~stamps.is_finite()
+    if bad.any():
+        _raise_bad_rows(path, bad, lines, df["timestamp"].cast(pl.String, strict=False),
+                        "cannot parse timestamp {value!r}; expected seconds as a number")
+    t = stamps.to_numpy()
+    arrival_s = t - t.min()
+    input_tokens = _tokens(path, df["input_length"], "input_length", lines)
+    output_tokens = _tokens(path, df["output_length"], "output_length", lines)
+    return arrival_s, input_tokens, output_tokens
+
+
+class _LazyLines:
+    """Row index -> 1-based line number of a JSON Lines file, computed on first use. Reads `path`."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lines: list[int] | None = None
+
+    def __getitem__(self, row: int) -> int:
+        if self._lines is None:
+            with open(self._path, "rb") as f:
+                self._lines = [i for i, line in enumerate(f, start=1) if line.strip()]
+        return self._lines[row]
+
+
+def _check_present(path: Path, values: pl.Series, col: str, lines: pl.Series | _LazyLines) -> None:
+    """Raise TraceError for the first row whose `col` is missing (null or empty). Pure but for errors."""
+    bad = values.is_null()
+    if values.dtype == pl.String:
+        bad = bad | (values == "")
+    if bad.any():
+        _raise_bad_rows(path, bad, lines, values, f"missing value for {col}")
+
+
+def _as_float(path: Path, values: pl.Series, col: str) -> pl.Series:
+    """Cast a column to Float64 (strings that are not numbers become null). Pure."""
+    if values.dtype.is_numeric() or values.dtype == pl.String:
+        return values.cast(pl.Float64, strict=False)
+    raise TraceError(f"{path}: {col} must hold numbers, but holds {values.dtype}")
+
+
+def _tokens(path: Path, values: pl.Series, col: str, lines: pl.Series | _LazyLines) -> np.ndarray:
+    """Validate a token-count column (whole numbers >= 0) and return it as int64. Pure but for errors."""
+    if values.dtype.is_integer():
+        counts = values.cast(pl.Int64).to_numpy()
+        bad = pl.Series(counts < 0)
+        if bad.any():
+            _raise_bad_rows(path, bad, lines, values, f"negative token count in {col}: {{value}}")
+        return counts
+    as_float = _as_float(path, values, col)
+    not_number = as_float.is_null()
+    if not_number.any():
+        _raise_bad_rows(path, not_number, lines, values.cast(pl.String, strict=False),
+                        f"{col} is not a number: {{value!r}}")
+    x = as_float.to_numpy()
+    with np.errstate(invalid="ignore"):
+        non_integer = pl.Series(~np.isfinite(x) | (x != np.floor(x)))
+    if non_integer.any():
+        _raise_bad_rows(path, non_integer, lines, values.cast(pl.String, strict=False),
+                        f"non-integer token count in {col}: {{value}}")
+    negative = pl.Series(x < 0)
+    if negative.any():
+        _raise_bad_rows(path, negative, lines, values.cast(pl.String, strict=False),
+                        f"negative token count in {col}: {{value}}")
+    return x.astype(np.int64)
+
+
+def _raise_bad_rows(path: Path, bad: pl.Series, lines: pl.Series | _LazyLines, values: pl.Series,
+                    template: str) -> None:
+    """Raise TraceError for the first bad row: `path: line N: <template with value>` (+ how many more)."""
+    bad_rows = bad.arg_true()
+    row = int(bad_rows[0])
+    line = int(lines[row])
+    value = values[row]
+    msg = f"{path}: line {line}: {template.format(value=value)}"
+    if len(bad_rows) > 1:
+        msg += f" ({len(bad_rows) - 1} more bad line{'s' if len(bad_rows) > 2 else ''} like it)"
+    raise TraceError(msg)
+
+
+def _raise_csv_shape_error(path: Path) -> None:
+    """After polars failed on a CSV: raise for the first line with the wrong number of fields. Reads `path`."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            return
+        for row in reader:
+            if row and len(row) != len(header):
+                raise TraceError(f"{path}: line {reader.line_num}: {len(row)} fields where the header "
+                                 f"has {len(header)}")
+
+
+def _raise_jsonl_syntax_error(path: Path) -> None:
+    """After polars failed on JSON Lines: raise for the first line not a JSON object, or if none. Reads `path`."""
+    import json
+
+    num_objects = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_num, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            num_objects += 1
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}: line {line_num}: not valid JSON ({exc.msg} at column "
+                                 f"{exc.colno})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{path}: line {line_num}: expected one JSON object per line, "
+                                 f"found {type(obj).__name__}")
+    if num_objects == 0:
+        raise TraceError(f"{path}: empty trace (only blank lines)")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (polars appends hints on later lines). Pure."""
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload types
+
+
+@dataclass(frozen=True, slots=True)
+class TypeStats:
+    """Summary of one workload type's members in the data it was fitted on."""
+
+    num_requests: int
+    share: float  # fraction of the fitted requests in this type
+    mean_input_tokens: float
+    mean_output_tokens: float
+    # NUM_LENGTH_SAMPLES quantiles of the members' lengths at levels (i + 0.5) / NUM_LENGTH_SAMPLES,
+    # each an observed length; each carries weight 1 / NUM_LENGTH_SAMPLES
+    input_samples_tokens: tuple[int, ...]
+    output_samples_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadTypes:
+    """Workload types: named centroids in (log1p input, log1p output) space with per-type statistics.
+
+    Index j everywhere (centroids, stats, `classify` results, span counts) is the type `names[j]`.
+    Only tuples inside, so it is hashable and can key caches.
+    """
+
+    names: tuple[str, ...]
+    centroids_log: tuple[tuple[float, float], ...]  # (log1p(input_tokens), log1p(output_tokens))
+    stats: tuple[TypeStats, ...]
+    inertia: float  # sum over fitted requests of the squared log-space distance to their centroid
+    _centroids: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        k = len(self.names)
+        if k < 1 or len(self.centroids_log) != k or len(self.stats) != k:
+            raise ConfigError(f"WorkloadTypes needs as many centroids ({len(self.centroids_log)}) and "
+                              f"stats ({len(self.stats)}) as names ({k}), at least one")
+        if len(set(self.names)) != k:
+            raise ConfigError(f"WorkloadTypes names must be unique: {self.names}")
+        centroids = np.array(self.centroids_log, dtype=np.float64).reshape(k, 2)
+        centroids.setflags(write=False)
+        object.__setattr__(self, "_centroids", centroids)
+
+    @property
+    def k(self) -> int:
+        """Number of types. Pure."""
+        return len(self.names)
+
+    @property
+    def centroids_tokens(self) -> tuple[tuple[float, float], ...]:
+        """Centroids back in tokens, (expm1 input, expm1 output): the geometric centre of each type. Pure."""
+        return tuple((math.expm1(a), math.expm1(b)) for a, b in self.centroids_log)
+
+    def index(self, name: str) -> int:
+        """Index of the type called `name`. Pure."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ConfigError(f"no workload type {name!r}; types: {', '.join(self.names)}") from None
+
+    def classify(self, input_tokens: np.ndarray | int, output_tokens: np.ndarray | int) -> np.ndarray:
+        """Index of the nearest centroid (log space) of each request; vectorised, ties to the lower index. Pure."""
+        x = np.asarray(input_tokens, dtype=np.float64)
+        y = np.asarray(output_tokens, dtype=np.float64)
+        if (x.size and x.min() < 0) or (y.size and y.min() < 0):
+            raise ConfigError("classify: token counts must be >= 0")
+        shape = np.broadcast_shapes(x.shape, y.shape)
+        d = _sq_dist(np.log1p(np.broadcast_to(x, shape).ravel()),
+                     np.log1p(np.broadcast_to(y, shape).ravel()), self._centroids)
+        return np.argmin(d, axis=1).astype(np.int64).reshape(shape)
+
+    def classify_one(self, input_tokens: int, output_tokens: int) -> int:
+        """Index of the nearest centroid for one request (same answer as `classify`). Pure."""
+        return int(self.classify(np.array([input_tokens]), np.array([output_tokens]))[0])
+
+    def type_lengths(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Representative lengths of type j: (input samples, output samples, weights summing to 1). Pure.
+
+        Sample i of each is the same quantile level of that marginal, so pairing them by index is a
+        comonotone coupling (long prompts with long answers); within one type this is a close and,
+        for KV-cache use, pessimistic stand-in for the joint distribution.
+        """
+        s = self.stats[j]
+        n = len(s.input_samples_tokens)
+        return (np.array(s.input_samples_tokens, dtype=np.int64),
+                np.array(s.output_samples_tokens, dtype=np.int64),
+                np.full(n, 1.0 / n))
+
+
+def fit_types(input_tokens: np.ndarray, output_tokens: np.ndarray, k: int = 4, seed: int = 0,
+              previous: WorkloadTypes | None = None, *, n_init: int = 16,
+              max_iter: int = 300) -> WorkloadTypes:
+    """Cluster requests into k workload types by k-means on (log1p input, log1p output). Pure.
+
+    Without `previous`: k-means++ initialisation from `numpy.random.default_rng(seed)`, Lloyd
+    iterations, `n_init` restarts, the lowest inertia kept. Deterministic for a seed and independent of
+    the order of the requests (the points are deduplicated and sorted before anything random happens).
+    Names: for k = 4 SISO, SILO, LISO, LILO, matched to the corners of the centroids' bounding box by
+    the Hungarian method so each name is used once; otherwise T0..T{k-1} in (input, output) order.
+
+    With `previous` (same k): one Lloyd run started from its centroids, and each new type takes the
+    name of the old type it matches (Hungarian on centroid distance), so a refit never swaps names.
+    The result lists types in `previous.names` order.
+    """
+    x_in = np.asarray(input_tokens)
+    x_out = np.asarray(output_tokens)
+    if x_in.ndim != 1 or x_in.shape != x_out.shape:
+        raise ConfigError(f"fit_types needs two 1-D arrays of equal length; got shapes "
+                          f"{x_in.shape} and {x_out.shape}")
+    if k < 1:
+        raise ConfigError(f"fit_types: k must be >= 1; got {k}")
+    if n_init < 1 or max_iter < 1:
+        raise ConfigError(f"fit_types: n_init and max_iter must be >= 1; got {n_init}, {max_iter}")
+    if previous is not None and previous.k != k:
+        raise ConfigError(f"fit_types: k={k} but previous has {previous.k} types "
+                          f"({', '.join(previous.names)})")
+    if len(x_in) and (x_in.min() < 0 or x_out.min() < 0):
+        raise ConfigError("fit_types: token counts must be >= 0")
+    pairs, counts = np.unique(np.column_stack([x_in, x_out]).astype(np.int64), axis=0, return_counts=True)
+    if len(pairs) < k:
+        raise ConfigError(f"fit_types: k={k} types need at least {k} distinct (input, output) pairs; "
+                          f"got {len(pairs)} from {len(x_in)} requests")
+    points = np.log1p(pairs.astype(np.float64))  # sorted, distinct: the order of the input is gone
+    weights = counts.astype(np.float64)
+
+    if previous is not None:
+        centroids, inertia = _lloyd(points, weights, np.array(previous._centroids), max_iter)
+        rows, cols = linear_sum_assignment(_sq_dist(centroids[:, 0], centroids[:, 1], previous._centroids))
+        order = rows[np.argsort(cols)]  # order[j] = new cluster that takes previous.names[j]
+        names = previous.names
+    else:
+        rng = np.random.default_rng(seed)
+        centroids, inertia = None, math.inf
+        for _ in range(n_init):
+            c, c_inertia = _lloyd(points, weights, _kmeans_pp(points, weights, k, rng), max_iter)
+            if c_inertia < inertia:  # strict: the first of equal runs wins
+                centroids, inertia = c, c_inertia
+        assert centroids is not None
+        order, names = _positional_names(centroids)
+    centroids = centroids[order]
+
+    x_in = x_in.astype(np.int64)
+    x_out = x_out.astype(np.int64)
+    labels = np.argmin(_sq_dist(np.log1p(x_in.astype(np.float64)), np.log1p(x_out.astype(np.float64)),
+                                centroids), axis=1)
+    stats = tuple(_type_stats(x_in[labels == j], x_out[labels == j], len(x_in), centroids[j])
+                  for j in range(k))
+    return WorkloadTypes(names=tuple(names),
+                         centroids_log=tuple((float(a), float(b)) for a, b in centroids),
+                         stats=stats, inertia=float(inertia))
+
+
+def _sq_dist(x: np.ndarray, y: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """Squared distances (n, k) from points (x[i], y[i]) to centroids (k, 2). Pure.
+
+    The single distance function used both to fit and to classify, so a fitted point's label is
+    exactly its nearest centroid.
+    """
+    return (x[:, None] - centroids[None, :, 0]) ** 2 + (y[:, None] - centroids[None, :, 1]) ** 2
+
+
+def _kmeans_pp(points: np.ndarray, weights: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding on weighted distinct points: next centre drawn with prob. ~ weight * D^2. Pure."""
+    n = len(points)
+    centres = np.empty((k, 2))
+
+    def draw(p: np.ndarray) -> int:
+        cum = np.cumsum(p)
+        return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), n - 1)
+
+    centres[0] = points[draw(weights)]
+    d2 = _sq_dist(points[:, 0], points[:, 1], centres[:1])[:, 0]
+    for c in range(1, k):
+        centres[c] = points[draw(weights * d2)]  # distinct points: d2 > 0 somewhere while c < n
+        d2 = np.minimum(d2, _sq_dist(points[:, 0], points[:, 1], centres[c:c + 1])[:, 0])
+    return centres
+
+
+def _lloyd(points: np.ndarray, weights: np.ndarray, centroids: np.ndarray,
+           max_iter: int) -> tuple[np.ndarray, float]:
+    """Weighted Lloyd iterations until the assignment stops changing; returns (centroids, inertia). Pure.
+
+    A cluster left empty is moved to the point that currently contributes most to the inertia.
+    """
+    k = len(centroids)
+    centroids = centroids.astype(np.float64, copy=True)
+    labels = None
+    for _ in range(max_iter):
+        d = _sq_dist(points[:, 0], points[:, 1], centroids)
+        new_labels = np.argmin(d, axis=1)
+        if labels is not None and np.array_equal(new_labels, labels):
+            break
+        labels = new_labels
+        mass = np.bincount(labels, weights=weights, minlength=k)
+        sum_x = np.bincount(labels, weights=weights * points[:, 0], minlength=k)
+        sum_y = np.bincount(labels, weights=weights * points[:, 1], minlength=k)
+        filled = mass > 0
+        centroids[filled, 0] = sum_x[filled] / mass[filled]
+        centroids[filled, 1] = sum_y[filled] / mass[filled]
+        if not filled.all():
+            cost = weights * d[np.arange(len(points)), labels]
+            for j in np.flatnonzero(~filled):
+                far = int(np.argmax(cost))
+                centroids[j] = points[far]
+                cost[far] = -1.0
+            labels = None  # force another assignment round
+    d = _sq_dist(points[:, 0], points[:, 1], centroids)
+    inertia = float(np.sum(weights * d.min(axis=1)))
+    return centroids, inertia
+
+
+def _positional_names(centroids: np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Order and names for fresh centroids: grid corners for k = 4, else (input, output) order. Pure."""
+    k = len(centroids)
+    if k == 4:
+        lo = centroids.min(axis=0)
+        span = centroids.max(axis=0) - lo
+        unit = (centroids - lo) / np.where(span > 0, span, 1.0)  # each axis scaled to [0, 1]
+        cost = ((unit[:, None, :] - _CORNERS_4[None, :, :]) ** 2).sum(axis=2)  # cluster x corner
+        rows, cols = linear_sum_assignment(cost)
+        return rows[np.argsort(cols)], NAMES_4
+    order = np.lexsort((centroids[:, 1], centroids[:, 0]))
+    return order, tuple(f"T{j}" for j in range(k))
+
+
+def _type_stats(inp: np.ndarray, out: np.ndarray, total: int, centroid: np.ndarray) -> TypeStats:
+    """Summary of one type's members (a type with no members gets its centroid as its lengths). Pure."""
+    n = NUM_LENGTH_SAMPLES
+    if len(inp) == 0:
+        c_in, c_out = (max(0, round(math.expm1(v))) for v in centroid)
+        return TypeStats(0, 0.0, float(c_in), float(c_out), (c_in,) * n, (c_out,) * n)
+    levels = (np.arange(n) + 0.5) / n
+    return TypeStats(
+        num_requests=len(inp), share=len(inp) / total,
+        mean_input_tokens=float(inp.mean()), mean_output_tokens=float(out.mean()),
+        input_samples_tokens=tuple(int(v) for v in np.quantile(inp, levels, method="inverted_cdf")),
+        output_samples_tokens=tuple(int(v) for v in np.quantile(out, levels, method="inverted_cdf")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Type mix over time
+
+
+def count_spans(arrival_s: np.ndarray, labels: np.ndarray, k: int, span_s: float = 60.0) -> np.ndarray:
+    """Arrivals per span and type, shape (num_spans, k); spans [i*span_s, (i+1)*span_s) from t = 0. Pure.
+
+    Only full spans up to the last arrival are counted: the last, partial span is dropped (it would
+    read as a drop in traffic), unless it is the only one, in which case it holds every request.
+    No arrivals gives shape (0, k).
+    """
+    if not (span_s > 0 and math.isfinite(span_s)):
+        raise ConfigError(f"span_s must be a positive number of seconds; got {span_s!r}")
+    arrival_s = np.asarray(arrival_s, dtype=np.float64)
+    labels = np.asarray(labels, dtype=np.int64)
+    if arrival_s.shape != labels.shape:
+        raise ConfigError(f"arrival_s and labels differ in shape: {arrival_s.shape}, {labels.shape}")
+    if len(arrival_s) == 0:
+        return np.zeros((0, k), dtype=np.int64)
+    if arrival_s.min() < 0:
+        raise ConfigError("count_spans: arrivals must be >= 0")
+    if labels.min() < 0 or labels.max() >= k:
+        raise ConfigError(f"count_spans: labels must lie in [0, {k})")
+    num_full = int(arrival_s.max() // span_s)  # spans that end at or before the last arrival
+    if num_full == 0:  # the partial span is the only one: it holds every request
+        return np.bincount(labels, minlength=k).reshape(1, k).astype(np.int64)
+    span = (arrival_s // span_s).astype(np.int64)
+    keep = span < num_full
+    flat = np.bincount(span[keep] * k + labels[keep], minlength=num_full * k)
+    return flat.reshape(num_full, k).astype(np.int64)
+
+
+def span_counts(trace: Trace, types: WorkloadTypes, span_s: float = 60.0) -> np.ndarray:
+    """Arrivals per span and type for a trace, shape (num_spans, types.k), classifying each request. Pure.
+
+    Spans start at t = 0; the last, partial span is dropped unless it is the only one (see
+    `count_spans`).
+    """
+    labels = types.classify(trace.input_tokens, trace.output_tokens)
+    return count_spans(trace.arrival_s, labels, types.k, span_s)
+
+
+def _proportions(counts: np.ndarray) -> np.ndarray:
+    """Per-span type proportions of the spans with traffic, shape (num_busy_spans, k). Pure."""
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 2:
+        raise ConfigError(f"counts must be 2-D (spans x types); got shape {counts.shape}")
+    totals = counts.sum(axis=1)
+    busy = totals > 0
+    return counts[busy] / totals[busy, None]
+
+
+def mix_cv(counts: np.ndarray) -> np.ndarray:
+    """Coefficient of variation (population std / mean) of each type's proportion across spans. Pure.
+
+    Spans with no requests are skipped. A type that never appears (mean 0), or counts with no busy
+    span, give NaN for that type.
+    """
+    p = _proportions(counts)
+    k = np.asarray(counts).shape[1]
+    if len(p) == 0:
+        return np.full(k, np.nan)
+    mean = p.mean(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, p.std(axis=0) / mean, np.nan)
+
+
+def mix_cv_noise(counts: np.ndarray) -> np.ndarray:
+    """The CV `mix_cv` would show from sampling noise alone if the mix were constant (binomial). Pure.
+
+    With overall share p of a type and n_t requests in busy span t, a constant mix gives each span's
+    proportion a variance p(1-p)/n_t, so the CV is sqrt(mean_t p(1-p)/n_t) / p. An observed `mix_cv`
+    well above this means the mix really changes.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 2:
+        raise ConfigError(f"counts must be 2-D (spans x types); got shape {counts.shape}")
+    totals = counts.sum(axis=1)
+    busy = totals > 0
+    if not busy.any():
+        return np.full(counts.shape[1], np.nan)
+    p = counts[busy].sum(axis=0) / totals[busy].sum()
+    inv_n = float(np.mean(1.0 / totals[busy]))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(p > 0, np.sqrt(p * (1 - p) * inv_n) / p, np.nan)
