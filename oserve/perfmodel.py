@@ -160,6 +160,9 @@ class ShapeTimer:
         self._send_recv = collectives["send_recv_inter" if spans_nodes else "send_recv_intra"]
         self.iteration_overhead_s = perf.iteration_overhead_s
         self._linear_cache: dict[int, float] = {}
+        self._token_cache: dict[int, tuple[float, float]] = {}
+        self._lm_cache: dict[int, float] = {}
+        self._num_layers = sum(self.layers)
 
     # --- pieces ---------------------------------------------------------------------------------
 
@@ -200,23 +203,43 @@ class ShapeTimer:
 
     # --- whole iterations ----------------------------------------------------------------------
 
+    def _token_costs(self, m: int) -> tuple[float, float]:
+        """(per-layer linear + 2 all-reduces, stage-boundary send/recv) for m tokens; cached by m."""
+        hit = self._token_cache.get(m)
+        if hit is None:
+            hit = (self.linear_seconds(m) + 2.0 * self.all_reduce_seconds(m), self.send_recv_seconds(m))
+            if len(self._token_cache) < 65536:
+                self._token_cache[m] = hit
+        return hit
+
+    def _lm_head(self, rows: int) -> float:
+        hit = self._lm_cache.get(rows)
+        if hit is None:
+            hit = self.lm_head_seconds(rows)
+            if len(self._lm_cache) < 65536:
+                self._lm_cache[rows] = hit
+        return hit
+
     def stage_seconds(self, batch: Batch) -> tuple[float, ...]:
         """GPU time of each pipeline stage for the batch."""
         if batch.num_tokens == 0:
             return tuple(0.0 for _ in self.layers)
         m = batch.num_tokens
-        per_layer = self.linear_seconds(m) + self.attention_seconds(batch) + 2.0 * self.all_reduce_seconds(m)
+        per_layer = self._token_costs(m)[0] + self.attention_seconds(batch)
         out = [n * per_layer for n in self.layers]
         out[0] += self._embed_b * m
-        out[-1] += self.lm_head_seconds(batch.num_logit_rows) + self._embed_b * m
+        out[-1] += self._lm_head(batch.num_logit_rows) + self._embed_b * m
         return tuple(out)
 
     def iteration_seconds(self, batch: Batch) -> float:
         """Latency of the batch through all stages, with stage-boundary transfers and engine overhead."""
-        if batch.num_tokens == 0:
+        m = batch.num_tokens
+        if m == 0:
             return 0.0
-        return (sum(self.stage_seconds(batch)) + (self.shape.pp - 1) * self.send_recv_seconds(batch.num_tokens)
-                + self.iteration_overhead_s)
+        per_layer, send_recv = self._token_costs(m)
+        per_layer += self.attention_seconds(batch)
+        return (self._num_layers * per_layer + 2.0 * self._embed_b * m + self._lm_head(batch.num_logit_rows)
+                + (self.shape.pp - 1) * send_recv + self.iteration_overhead_s)
 
     def bottleneck_seconds(self, batch: Batch) -> float:
         """Time the slowest stage is busy with the batch (with its share of overhead and transfer).
@@ -225,7 +248,7 @@ class ShapeTimer:
         """
         if batch.num_tokens == 0:
             return 0.0
-        return max(self.stage_seconds(batch)) + self.send_recv_seconds(batch.num_tokens) + \
+        return max(self.stage_seconds(batch)) + self._token_costs(batch.num_tokens)[1] + \
             self.iteration_overhead_s / self.shape.pp
 
     def bottleneck_seconds_many(self, num_tokens: np.ndarray, prefill_pairs: np.ndarray,

@@ -1,0 +1,1 @@
+"""The simulator: engine replicas with continuous batching, the cluster kernel, policies, workloads."""
