@@ -1,0 +1,348 @@
+"""Serving policies the simulator compares: OServe, vLLM static, vLLM reload, a Llumnix-like balancer, an oracle.
+
+Pure: each policy turns what it may see at a span boundary (`SpanView`) into a `Decision`. They share
+the planning code with the live system (`oserve.scheduler.search`, the capacity table) and differ only
+in what they know and what they may deploy:
+
+- `oserve`: forecast of the next span (a forecaster object, or the last span's rates) -> the MILP
+  deployment over every shape -> switch GPU-to-GPU when the gain over the span outweighs the capacity
+  lost while switching.
+- `oracle`: like `oserve` but with the coming span's true rates and free switching.
+- `vllm-reload`: the best homogeneous deployment for the forecast, each span, reloading from disk.
+- `vllm-static`: one homogeneous deployment for the whole trace (the caller picks the best).
+- `llumnix`: a homogeneous deployment; every request to the least-loaded replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from oserve.capacity import CapacityTable
+from oserve.errors import ConfigError, InfeasibleError
+from oserve.scheduler import Plan, assign, search
+from oserve.scheduler.packing import place
+from oserve.sim.cluster import Decision, SpanView
+from oserve.sim.engine import SimReplica, SimRequest
+from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape, stage_weight_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchCosts:
+    """How long replicas are out of service when a deployment changes."""
+
+    engine_start_s: float = 8.0
+    """Starting an engine on GPUs that already hold (or are receiving) weights: process start, KV
+    allocation, CUDA-graph capture. The paper measures about 10 s for a GPU-to-GPU switch in all."""
+    reload_bytes_per_s: float = 3.0e9
+    """Reading a replica's weights from storage (each replica loads the whole model in parallel)."""
+    gpu_copy_efficiency: float = 0.8
+    """Fraction of link bandwidth a weight transfer achieves."""
+
+    def __post_init__(self) -> None:
+        if self.engine_start_s < 0 or not self.reload_bytes_per_s > 0 or not 0 < self.gpu_copy_efficiency <= 1:
+            raise ConfigError(f"SwitchCosts: invalid values {self}")
+
+    def reload_s(self, model: ModelSpec) -> float:
+        return model.weight_bytes / self.reload_bytes_per_s + self.engine_start_s
+
+    def gpu_to_gpu_s(self, model: ModelSpec, cluster: ClusterSpec, new: list[Replica], old: Deployment) -> float:
+        """Weights for the new replicas copied from GPUs of the old deployment, all GPUs in parallel.
+
+        Each new GPU receives its shard (the stage's weights / TP); a GPU in a node that held the model
+        before receives over NVLink, otherwise over the network. A first estimate until the switch
+        planner computes exact plans.
+        """
+        if not new:
+            return 0.0
+        old_nodes = {cluster.node_of(g) for r in old.replicas for g in r.gpu_ids}
+        worst = 0.0
+        for r in new:
+            per_stage = stage_weight_bytes(model, r.shape)
+            for s in range(r.shape.pp):
+                for g in r.stage_gpus(s):
+                    bw = cluster.nvlink_bytes_per_s if cluster.node_of(g) in old_nodes else cluster.network_bytes_per_s
+                    worst = max(worst, per_stage[s] / (bw * self.gpu_copy_efficiency))
+        return worst + self.engine_start_s
+
+
+class _Base:
+    name = "base"
+
+    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
+        return None
+
+
+@dataclass
+class PlanningContext:
+    """What every planning policy shares."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    table: CapacityTable
+    costs: SwitchCosts = field(default_factory=SwitchCosts)
+    initial_rps: np.ndarray | None = None
+    """Per-type rates assumed before any span is observed (span 0)."""
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return self.table.type_names
+
+
+class Forecaster(Protocol):
+    """The forecasting interface the policies use (see `oserve.forecast`)."""
+
+    def forecast_rps(self, observed_counts: np.ndarray, span_s: float) -> np.ndarray: ...
+
+
+@dataclass
+class LastSpanForecaster:
+    """Next span's rates = the last observed span's rates."""
+
+    def forecast_rps(self, observed_counts: np.ndarray, span_s: float) -> np.ndarray:
+        return observed_counts[-1] / span_s
+
+
+def weights_for(plan_assignment, capacity_rows: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    """Routing weights [type][replica] from an assignment; a type it serves nowhere goes by capacity."""
+    x = np.asarray(plan_assignment.rates_rps, dtype=float)  # [replica][type]
+    out = []
+    for j in range(capacity_rows.shape[1]):
+        col = x[:, j] if len(x) else np.zeros(0)
+        if col.sum() <= 0:
+            col = capacity_rows[:, j]
+        out.append(tuple(float(v) for v in col))
+    return tuple(out)
+
+
+def stabilize(old: Deployment, new: Deployment, cluster: ClusterSpec) -> Deployment:
+    """Place `new` so that replicas it shares with `old` (same shape) keep their GPUs. Pure.
+
+    Old replicas whose shape the new deployment still wants are kept where they are; the remaining
+    new replicas go on the GPUs left free, largest TP groups first, each TP group inside one node. If
+    they cannot be packed that way, `new` is returned as it was placed.
+    """
+    if not old.replicas:
+        return new
+    pool: dict[ReplicaShape, list[Replica]] = {}
+    for r in old.replicas:
+        pool.setdefault(r.shape, []).append(r)
+    kept: list[Replica] = []
+    rest: list[ReplicaShape] = []
+    for r in new.replicas:
+        same = pool.get(r.shape)
+        if same:
+            kept.append(same.pop(0))
+        else:
+            rest.append(r.shape)
+    used = {g for r in kept for g in r.gpu_ids}
+    free = {n: [g for g in range(n * cluster.gpus_per_node, (n + 1) * cluster.gpus_per_node) if g not in used]
+            for n in range(cluster.num_nodes)}
+    placed: list[tuple[ReplicaShape, tuple[int, ...]]] = []
+    for shape in sorted(rest, key=lambda s: (-s.tp, -s.pp)):
+        gpus: list[int] = []
+        for _ in range(shape.pp):
+            # the fullest node that still fits a TP group (keeps whole nodes free for big groups)
+            fits = [n for n in free if len(free[n]) >= shape.tp]
+            if not fits:
+                return new
+            n = min(fits, key=lambda n: (len(free[n]), n))
+            gpus += free[n][:shape.tp]
+            free[n] = free[n][shape.tp:]
+        placed.append((shape, tuple(gpus)))
+    replicas = [Replica(f"r{i}", r.shape, r.gpu_ids) for i, r in enumerate(kept)]
+    replicas += [Replica(f"r{len(kept) + i}", s, g) for i, (s, g) in enumerate(placed)]
+    # keep ids stable for kept replicas: reuse their old ids where free
+    ids_old = {(r.shape, r.gpu_ids): r.replica_id for r in old.replicas}
+    taken = set()
+    out = []
+    counter = 0
+    for r in replicas:
+        rid = ids_old.get((r.shape, r.gpu_ids))
+        if rid is None or rid in taken:
+            while f"n{counter}" in taken or any(o.replica_id == f"n{counter}" for o in old.replicas):
+                counter += 1
+            rid = f"n{counter}"
+            counter += 1
+        taken.add(rid)
+        out.append(Replica(rid, r.shape, r.gpu_ids))
+    return Deployment(tuple(out))
+
+
+def _served(ctx: PlanningContext, deployment: Deployment, rates: np.ndarray):
+    """The exact assignment of `rates` over an existing deployment."""
+    n = ctx.table.matrix(deployment.shapes())
+    return assign(rates, n), n
+
+
+def _homogeneous_candidates(ctx: PlanningContext) -> list[ReplicaShape]:
+    return [s for s in ctx.table.shapes(ctx.cluster.num_gpus) if ctx.cluster.num_gpus // s.num_gpus >= 1]
+
+
+def homogeneous_deployment(ctx: PlanningContext, shape: ReplicaShape) -> Deployment:
+    count = ctx.cluster.num_gpus // shape.num_gpus
+    try:
+        return place([shape] * count, ctx.cluster)
+    except (ConfigError, InfeasibleError):
+        # fewer replicas if the last ones do not pack (TP groups inside nodes)
+        for c in range(count - 1, 0, -1):
+            try:
+                return place([shape] * c, ctx.cluster)
+            except (ConfigError, InfeasibleError):
+                continue
+        raise
+
+
+def best_homogeneous(ctx: PlanningContext, rates: np.ndarray) -> tuple[Deployment, object]:
+    """The homogeneous deployment that serves `rates` best (served rate, then lowest peak utilisation)."""
+    best = None
+    for shape in _homogeneous_candidates(ctx):
+        try:
+            dep = homogeneous_deployment(ctx, shape)
+        except (ConfigError, InfeasibleError):
+            continue
+        a, _ = _served(ctx, dep, rates)
+        key = (round(a.served_rps, 9), -a.peak_utilisation)
+        if best is None or key > best[0]:
+            best = (key, dep, a)
+    if best is None:
+        raise InfeasibleError(f"no homogeneous deployment of {ctx.model.name} fits {ctx.cluster.name}")
+    return best[1], best[2]
+
+
+def _should_switch(current_served: float, current_peak: float, new_plan_served: float, new_peak: float,
+                   lost_capacity_rps: float, switch_s: float, span_s: float, demand: float) -> bool:
+    """Switch when the gain over the coming span outweighs what the switch costs.
+
+    Gain: more requests served over the span, or, when both serve everything, a lower peak utilisation
+    (queueing delay grows like 1 / (1 - utilisation)). Cost: the capacity of replacing replicas lost for
+    the switching time.
+    """
+    served_gain = (new_plan_served - current_served) * span_s
+    cost = lost_capacity_rps * switch_s
+    if served_gain > cost and new_plan_served > current_served * 1.01:
+        return True
+    if current_served >= demand * 0.999 and new_plan_served >= demand * 0.999:
+        # both serve everything: switch only for a clearly lower peak utilisation, and cheap enough
+        return current_peak > 0.8 and new_peak < current_peak - 0.15 and cost < 0.5 * demand * span_s * 0.2
+    return False
+
+
+class OServePolicy(_Base):
+    """Forecast -> MILP deployment over every shape -> GPU-to-GPU switch when worth it."""
+
+    def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None, search_name: str = "milp",
+                 oracle: bool = False, headroom: float = 1.0, name: str | None = None) -> None:
+        self.ctx = ctx
+        self.forecaster = forecaster or LastSpanForecaster()
+        self.search_name = search_name
+        self.oracle = oracle
+        self.headroom = headroom
+        self.name = name or ("oracle" if oracle else "oserve")
+
+    def _rates(self, view: SpanView) -> np.ndarray:
+        if self.oracle and view.true_next_counts is not None:
+            return view.true_next_counts / view.span_s
+        if len(view.observed_counts) == 0:
+            if self.ctx.initial_rps is None:
+                raise ConfigError(f"{self.name}: no observed span and no initial rates")
+            return np.asarray(self.ctx.initial_rps, dtype=float)
+        return np.maximum(self.forecaster.forecast_rps(view.observed_counts, view.span_s), 0.0)
+
+    def decide(self, view: SpanView) -> Decision | None:
+        rates = self._rates(view) * self.headroom
+        ctx = self.ctx
+        plan: Plan = search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table)
+        current = view.current
+        old = current.deployment if current else Deployment.empty()
+        target = stabilize(old, plan.deployment, ctx.cluster)
+        n_target = ctx.table.matrix(target.shapes())
+        a_target = assign(rates, n_target)
+        if current is None:
+            return Decision(target, weights_for(a_target, n_target), 0.0, tuple(rates), "initial")
+        a_cur, n_cur = _served(ctx, old, rates)
+        old_keys = {(r.shape, r.gpu_ids) for r in old.replicas}
+        new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
+        new_reps = [r for r in target.replicas if (r.shape, r.gpu_ids) not in old_keys]
+        if not new_reps and old_keys == new_keys:
+            # same deployment: just re-route for the new mix
+            return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
+        switch_s = 0.0 if self.oracle else ctx.costs.gpu_to_gpu_s(ctx.model, ctx.cluster, new_reps, old)
+        leaving = [k for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in new_keys]
+        lost = float(sum(np.dot(n_cur[k], rates) / max(rates.sum(), 1e-12) for k in leaving)) if leaving else 0.0
+        if self.oracle or _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a_target.served_rps,
+                                         a_target.peak_utilisation, lost, switch_s, view.span_s, float(rates.sum())):
+            return Decision(target, weights_for(a_target, n_target), switch_s, tuple(rates), "switch")
+        return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "keep")
+
+
+class VllmReloadPolicy(_Base):
+    """The best homogeneous deployment for the forecast each span; changing it reloads from disk."""
+
+    name = "vllm-reload"
+
+    def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None) -> None:
+        self.ctx = ctx
+        self.forecaster = forecaster or LastSpanForecaster()
+
+    def decide(self, view: SpanView) -> Decision | None:
+        ctx = self.ctx
+        if len(view.observed_counts) == 0:
+            rates = np.asarray(ctx.initial_rps, dtype=float)
+        else:
+            rates = np.maximum(self.forecaster.forecast_rps(view.observed_counts, view.span_s), 0.0)
+        dep, a = best_homogeneous(ctx, rates)
+        n = ctx.table.matrix(dep.shapes())
+        current = view.current
+        if current is None:
+            return Decision(dep, weights_for(a, n), 0.0, tuple(rates), "initial")
+        a_cur, n_cur = _served(ctx, current.deployment, rates)
+        same = current.deployment.shapes() == dep.shapes()
+        if same:
+            return Decision(current.deployment, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
+        reload_s = ctx.costs.reload_s(ctx.model)
+        lost = float(sum(np.dot(n_cur[k], rates) / max(rates.sum(), 1e-12) for k in range(len(n_cur))))
+        if _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a.served_rps, a.peak_utilisation, lost, reload_s,
+                          view.span_s, float(rates.sum())):
+            # every replica changes shape, so the kernel restarts them all
+            return Decision(dep, weights_for(a, n), reload_s, tuple(rates), "reload")
+        return Decision(current.deployment, weights_for(a_cur, n_cur), 0.0, tuple(rates), "keep")
+
+
+class StaticPolicy(_Base):
+    """One deployment for the whole trace, routed by capacity share per type."""
+
+    def __init__(self, ctx: PlanningContext, deployment: Deployment, name: str = "vllm-static",
+                 least_loaded: bool = False) -> None:
+        self.ctx = ctx
+        self.deployment = deployment
+        self.name = name
+        self.least_loaded = least_loaded
+
+    def decide(self, view: SpanView) -> Decision | None:
+        n = self.ctx.table.matrix(self.deployment.shapes())
+        if len(view.observed_counts) == 0:
+            rates = np.asarray(self.ctx.initial_rps, dtype=float) if self.ctx.initial_rps is not None else n[0]
+        else:
+            rates = view.observed_counts[-1] / view.span_s
+        a = assign(rates, n)
+        return Decision(self.deployment, weights_for(a, n), 0.0, tuple(rates), "static")
+
+    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
+        if not self.least_loaded:
+            return None
+        best, best_key = None, None
+        for k, r in enumerate(replicas):
+            if not r.accepting:
+                continue
+            key = (r.kv_load_frac(), r.num_requests)
+            if best_key is None or key < best_key:
+                best, best_key = k, key
+        return best
+
+
+def llumnix(ctx: PlanningContext, deployment: Deployment) -> StaticPolicy:
+    """Homogeneous replicas; each request to the replica with the least KV load (used + queued)."""
+    return StaticPolicy(ctx, deployment, name="llumnix", least_loaded=True)
