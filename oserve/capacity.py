@@ -17,7 +17,7 @@ model under a steady-state model of continuous batching:
   `TBT(B) = pp * T_stage(b) / (1 - lambda * E[dT(I)])` (decode rounds are stretched by the prefill
   share), and it must stay within the latency target.
 - B is bounded by the KV cache (B sequences of mean in-flight context, weighted by how long each is
-  in flight, with `kv_headroom_frac` kept free for bursts), by `max_num_seqs` per micro-batch, and by
+  in flight, plus `kv_sigmas` standard deviations of their total, with `kv_headroom_frac` kept free), by `max_num_seqs` per micro-batch, and by
   the TBT target; the capacity is the best rate over the feasible B.
 A shape that meets the target at no batch size still gets its B = 1 rate, so capacity is positive and
 finite for every valid shape (the scheduler sees it as a slow replica rather than a missing one).
@@ -75,10 +75,14 @@ class LatencyTarget:
     """Mean time between two output tokens of one request."""
     kv_headroom_frac: float = 0.1
     """Fraction of the KV cache kept free at capacity, so bursts do not force preemption."""
+    kv_sigmas: float = 2.0
+    """Standard deviations of the batch's total context kept free on top (length variance)."""
 
     def __post_init__(self) -> None:
         if not self.tbt_s > 0:
             raise ConfigError(f"LatencyTarget: tbt_s must be positive, got {self.tbt_s}")
+        if self.kv_sigmas < 0:
+            raise ConfigError(f"LatencyTarget: kv_sigmas must be >= 0, got {self.kv_sigmas}")
         if not 0.0 <= self.kv_headroom_frac < 1.0:
             raise ConfigError(f"LatencyTarget: kv_headroom_frac must be in [0, 1), got {self.kv_headroom_frac}")
 
@@ -155,8 +159,14 @@ class CapacityTable:
         # Mean context of an in-flight sequence, weighted by the time it spends decoding (its output).
         ctx = float(np.dot(weights, outputs * (inputs + outputs / 2.0)) / mean_out)
         pp = shape.pp
+        # Spread of that context (u uniform over the output): B sequences hold about B * ctx tokens
+        # give or take sqrt(B) * sd; keep `kv_sigmas` of that spread free so preemption stays rare.
+        second = float(np.dot(weights, outputs * (inputs ** 2 + inputs * outputs + outputs ** 2 / 3.0)) / mean_out)
+        sd = math.sqrt(max(second - ctx * ctx, 0.0))
         usable = kv_tokens * (1.0 - self.target.kv_headroom_frac)
-        b_kv = max(1, int(usable // ctx))
+        z = self.target.kv_sigmas
+        root = (-z * sd + math.sqrt(z * z * sd * sd + 4.0 * ctx * usable)) / (2.0 * ctx)
+        b_kv = max(1, int(root * root))
         b_max = min(b_kv, self.engine.max_num_seqs * pp)
         limit = "kv" if b_kv <= self.engine.max_num_seqs * pp else "max_num_seqs"
 

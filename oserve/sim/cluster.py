@@ -70,6 +70,9 @@ class Decision:
     forecast_rps: tuple[float, ...] = ()
     """The per-type rates the decision was planned for (reported, not used by the kernel)."""
     label: str = ""
+    drain_retired: bool = False
+    """Retired replicas finish everything they run instead of handing it off when the switch completes
+    (free switching, as the oracle assumes: no request is disturbed)."""
 
 
 @dataclass
@@ -276,7 +279,8 @@ class _Kernel:
             rep.accepting = False
             for req in rep.take_waiting():
                 self.dispatch(req, now)
-            self.push(now + new.switch_s, HANDOFF, rep)
+            if not new.drain_retired:
+                self.push(now + new.switch_s, HANDOFF, rep)
         waiting, self.pending = self.pending, []
         for req in waiting:
             self.dispatch(req, now)

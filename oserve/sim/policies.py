@@ -274,7 +274,8 @@ class OServePolicy(_Base):
         lost = float(sum(np.dot(n_cur[k], rates) / max(rates.sum(), 1e-12) for k in leaving)) if leaving else 0.0
         if self.oracle or _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a_target.served_rps,
                                          a_target.peak_utilisation, lost, switch_s, view.span_s, float(rates.sum())):
-            return Decision(target, weights_for(a_target, n_target), switch_s, tuple(rates), "switch")
+            return Decision(target, weights_for(a_target, n_target), switch_s, tuple(rates), "switch",
+                            drain_retired=self.oracle)
         return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "keep")
 
 

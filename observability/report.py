@@ -1,0 +1,91 @@
+"""Report plots (matplotlib, Agg backend): latency CDFs, the deployment over time, per-type rates.
+
+Each function takes plain data (simulation results or their summaries) and writes one PNG.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latency_cdf(results: dict, path: Path, title: str = "") -> Path:
+    """CDF of end-to-end latency and TTFT per policy (`results`: name -> SimResult)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in results.items():
+        for ax, values in ((axes[0], r.e2e_s[~r.dropped]), (axes[1], r.ttft_s[~r.dropped])):
+            v = np.sort(values)
+            if len(v):
+                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
+    for ax, what in ((axes[0], "end-to-end latency (s)"), (axes[1], "time to first token (s)")):
+        ax.set_xscale("log")
+        ax.set_xlabel(what)
+        ax.set_ylabel("fraction of requests")
+        ax.axhline(0.99, color="grey", lw=0.5, ls="--")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title or "Latency CDF per policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def deployment_timeline(spans: list[dict], num_gpus: int, path: Path, title: str = "") -> Path:
+    """GPUs x time, each GPU coloured by the shape of the replica that holds it in each span."""
+    plt = _plt()
+    shapes = sorted({rep[1] for s in spans for rep in s["deployment"]})
+    cmap = plt.get_cmap("tab20", max(len(shapes), 1))
+    colour = {shape: cmap(i) for i, shape in enumerate(shapes)}
+    fig, ax = plt.subplots(figsize=(11, 4))
+    starts = [s["start_s"] / 60 for s in spans]
+    ends = starts[1:] + [starts[-1] + (starts[1] - starts[0] if len(starts) > 1 else 1)]
+    for s, t0, t1 in zip(spans, starts, ends):
+        for _, shape, gpus in s["deployment"]:
+            for g in gpus:
+                ax.fill_between([t0, t1], g, g + 0.9, color=colour[shape], lw=0)
+        if s.get("switched") and s["span_index"] > 0:
+            ax.axvline(t0, color="black", lw=0.6, alpha=0.5)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour[shape]) for shape in shapes]
+    ax.legend(handles, shapes, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_xlabel("time (min); vertical lines: switches")
+    ax.set_ylabel("GPU")
+    ax.set_ylim(0, num_gpus)
+    ax.set_title(title or "Deployment over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def rates_and_forecast(spans: list[dict], type_names: tuple[str, ...], span_s: float, path: Path,
+                       title: str = "") -> Path:
+    """Per-type arrival rate of each span, with the rate the policy planned for (its forecast)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(11, 4))
+    t = np.array([s["start_s"] / 60 for s in spans])
+    counts = np.array([s["counts"] for s in spans], dtype=float) / span_s
+    forecast = np.array([s["forecast_rps"] if s["forecast_rps"] else [np.nan] * len(type_names) for s in spans])
+    for j, name in enumerate(type_names):
+        line, = ax.step(t, counts[:, j], where="post", label=f"{name} actual")
+        ax.step(t, forecast[:, j], where="post", ls="--", color=line.get_color(), alpha=0.8, label=f"{name} planned")
+    ax.set_xlabel("time (min)")
+    ax.set_ylabel("requests/s")
+    ax.grid(alpha=0.3)
+    ax.legend(ncol=2, fontsize=8)
+    ax.set_title(title or "Per-type rates and forecast")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

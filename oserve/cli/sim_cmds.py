@@ -1,0 +1,167 @@
+"""`oserve simulate` and `oserve bench e2e`: every policy on the same workload, side by side."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from oserve.cli import app, bench_app
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                    TimeElapsedColumn(), console=console, transient=True)
+
+
+def _fmt(x: float) -> str:
+    return "-" if not math.isfinite(x) else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
+
+
+def _table(comparison, scenario) -> Table:
+    res = comparison.results
+    ref = res.get("oserve")
+    t = Table(title=f"{scenario.name}: {len(scenario.workload)} requests, {scenario.workload.duration_s / 60:.1f} min, "
+                    f"mix CV {scenario.cv:.2f}")
+    cols = ["policy", "P50 e2e", "P90 e2e", "P99 e2e", "P99 TTFT", "P99 TBT", "req/s", "switches", "dropped",
+            "P99 vs OServe"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "policy" else "right")
+    for name, r in res.items():
+        s = r.summary()
+        ratio = s["p99_e2e_s"] / ref.percentile("e2e", 99) if ref is not None else math.nan
+        t.add_row(name, _fmt(s["p50_e2e_s"]), _fmt(s["p90_e2e_s"]), _fmt(s["p99_e2e_s"]), _fmt(s["p99_ttft_s"]),
+                  _fmt(s["p99_tbt_s"]), f"{s['throughput_rps']:.2f}", str(s["switches"]), str(s["dropped"]),
+                  f"{ratio:.2f}x" if math.isfinite(ratio) else "-")
+    return t
+
+
+def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], load: float, minutes: float | None,
+         span_s: float, seed: int, console: Console):
+    from oserve.sim.cluster import SimConfig
+    from oserve.sim.evaluate import EvalConfig, build_scenario, compare
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    spec = model_preset(model)
+    cluster = cluster_for_gpus(gpus)
+    scenario = build_scenario(scenario_name, spec, cluster.gpu, cluster, load=load, minutes=minutes, seed=seed)
+    with _progress(console) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, frac: float) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(f"{scenario.name}: {label}", total=1.0)
+            bar.update(tasks[label], completed=frac)
+
+        comparison = compare(spec, cluster.gpu, cluster, scenario.workload, scenario.table, policies,
+                             EvalConfig(sim=SimConfig(span_s=span_s)), progress=progress)
+    return scenario, comparison, cluster
+
+
+@app.command("simulate")
+def simulate_cmd(
+    trace: str = typer.Option("azure-conv", help="A trace file, azure-conv / azure-code, S1-S5 or T1-T4."),
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster (whole 8-GPU nodes above 8)."),
+    policy: str = typer.Option("all", help="all, or a comma-separated list of oserve, vllm-static, vllm-reload, "
+                                           "llumnix, oracle."),
+    load: float = typer.Option(0.8, help="Mean demand as a fraction of the best homogeneous capacity."),
+    minutes: float = typer.Option(None, help="Cut a trace to this long (or set a composition's length)."),
+    span: float = typer.Option(60.0, help="Re-planning span in seconds."),
+    seed: int = typer.Option(0, help="Seed for scaling and sampling the workload."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    out: Path = typer.Option(None, help="Write PNG plots and a JSON summary here."),
+) -> None:
+    """Simulate every policy on the same workload and compare latency and throughput."""
+    from oserve.sim.evaluate import POLICIES
+
+    policies = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    scenario, comparison, cluster = _run(trace, model, gpus, policies, load, minutes, span, seed, console)
+    elapsed = time.perf_counter() - start
+    summary = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "cv": scenario.cv,
+               "requests": len(scenario.workload), "static_shape": comparison.static_shape,
+               "static_tried_p99_s": comparison.static_tried, "seconds": elapsed,
+               "policies": {name: r.summary() for name, r in comparison.results.items()}}
+    if "oserve" in comparison.results:
+        summary["speedup_p99"] = comparison.speedup_p99()
+    if out is not None:
+        from oserve.observability import report
+
+        out.mkdir(parents=True, exist_ok=True)
+        report.latency_cdf(comparison.results, out / "latency_cdf.png", f"{scenario.name}: latency per policy")
+        for name in ("oserve", "oracle", "vllm-reload"):
+            if name in comparison.results:
+                r = comparison.results[name]
+                report.deployment_timeline(r.spans, cluster.num_gpus, out / f"deployment_{name}.png",
+                                           f"{scenario.name}: {name} deployment over time")
+                report.rates_and_forecast(r.spans, scenario.table.type_names, span, out / f"rates_{name}.png",
+                                          f"{scenario.name}: per-type rates and {name}'s plan")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary["report"] = str(out)
+    if json_out:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    Console().print(_table(comparison, scenario))
+    Console().print(f"vllm-static chose {comparison.static_shape} (tried: " +
+                    ", ".join(f"{k} P99 {_fmt(v)} s" for k, v in comparison.static_tried.items()) +
+                    f"); simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
+
+
+E2E_SCENARIOS = ("S1", "S2", "S3", "S4", "S5", "T1", "T2", "T3", "T4", "azure-conv", "azure-code")
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help="Mean demand as a fraction of the best homogeneous capacity."),
+    scenarios: str = typer.Option(",".join(E2E_SCENARIOS), help="Comma-separated scenario names."),
+    extra_32: bool = typer.Option(True, help="Also run azure-conv on 32 GPUs."),
+    minutes: float = typer.Option(None, help="Length of each scenario (default: 20 min per composition, "
+                                             "30 min per sequence, whole traces)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """OServe's P99 against each baseline on the paper's scenarios and the Azure traces."""
+    console = Console(stderr=True)
+    runs = [(name, gpus) for name in scenarios.split(",") if name]
+    if extra_32:
+        runs.append(("azure-conv", 32))
+    rows = []
+    start = time.perf_counter()
+    for name, n_gpus in runs:
+        scenario, comparison, _ = _run(name, model, n_gpus, tuple(__import__("oserve.sim.evaluate", fromlist=["POLICIES"]).POLICIES),
+                                       load, minutes, 60.0, 0, console)
+        res = comparison.results
+        row = {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.workload),
+               "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
+               "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
+               "throughput": {k: r.throughput_rps for k, r in res.items()},
+               "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape}
+        rows.append(row)
+        console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items()))
+    def mean(key: str) -> float:
+        vals = [r["speedup_p99"][key] for r in rows if key in r["speedup_p99"]]
+        return float(sum(vals) / len(vals)) if vals else math.nan
+    result = {"model": model, "load": load, "scenarios": rows, "seconds": time.perf_counter() - start,
+              "mean_speedup_p99": {k: mean(k) for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
+              "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
+                                  for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")}}
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    t = Table(title="OServe's P99 end-to-end speedup over each policy (>1: OServe better)")
+    for c in ("scenario", "CV", "vllm-static", "vllm-reload", "llumnix", "oracle"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(r["name"], f"{r['cv']:.2f}", *(f"{r['speedup_p99'].get(k, math.nan):.2f}"
+                                                 for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
+    t.add_row("mean", "", *(f"{result['mean_speedup_p99'][k]:.2f}" for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
+    Console().print(t)
