@@ -1,0 +1,135 @@
+"""Cluster simulator and policies: conservation through switches, determinism, routing, placement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oserve.capacity import CapacityTable
+from oserve.sim.cluster import Decision, SimConfig, SmoothRouter, simulate
+from oserve.sim.evaluate import build_scenario, compare
+from oserve.sim.policies import OServePolicy, PlanningContext, StaticPolicy, homogeneous_deployment, stabilize
+from oserve.sim.workloads import from_trace, scale_volume, sequence
+from oserve.specs import GPUS, Deployment, Replica, ReplicaShape, cluster_for_gpus, model_preset
+from oserve.workload import fit_types, load_trace
+
+H100 = GPUS["h100-80gb"]
+LLAMA = model_preset("llama2-70b")
+
+
+@pytest.fixture(scope="module")
+def conv():
+    trace = load_trace("azure-conv").slice_time(0.0, 600.0)
+    types = fit_types(trace.input_tokens, trace.output_tokens)
+    return trace, types, CapacityTable(LLAMA, H100, types)
+
+
+class Scripted:
+    """A policy that switches between two given deployments every span (to exercise switching)."""
+
+    name = "scripted"
+
+    def __init__(self, decisions):
+        self.decisions = decisions
+
+    def decide(self, view):
+        return self.decisions[view.span_index % len(self.decisions)]
+
+    def route(self, req, replicas):
+        return None
+
+
+def _even(dep: Deployment, k: int = 4):
+    return tuple((1.0,) * len(dep.replicas) for _ in range(k))
+
+
+def test_every_request_finishes_once_through_switches(conv):
+    trace, types, _ = conv
+    cluster = cluster_for_gpus(16)
+    a = Deployment(tuple(Replica(f"a{i}", ReplicaShape(4), tuple(range(4 * i, 4 * i + 4))) for i in range(4)))
+    b = Deployment(tuple(Replica(f"b{i}", ReplicaShape(8), tuple(range(8 * i, 8 * i + 8))) for i in range(2)))
+    policy = Scripted([Decision(a, _even(a), 5.0), Decision(b, _even(b), 5.0)])
+    w = scale_volume(from_trace(trace, types), 4.0, np.random.default_rng(1))
+    res = simulate(LLAMA, H100, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, 4, policy,
+                   SimConfig(span_s=60.0, migrate_min_context_tokens=256))
+    assert not res.dropped.any()
+    assert np.all(res.e2e_s > 0) and np.all(res.ttft_s <= res.e2e_s)
+    assert sum(s["switched"] for s in res.spans) >= 9
+    assert res.num_migrations > 0  # long contexts moved with their KV
+
+
+def test_policy_comparison_is_deterministic(conv):
+    trace, types, table = conv
+    cluster = cluster_for_gpus(16)
+    w = scale_volume(from_trace(trace.slice_time(0, 300), types), 3.0, np.random.default_rng(2))
+    runs = [compare(LLAMA, H100, cluster, w, CapacityTable(LLAMA, H100, types), ("oserve", "vllm-static"))
+            for _ in range(2)]
+    for name in ("oserve", "vllm-static"):
+        s1, s2 = runs[0].results[name].summary(), runs[1].results[name].summary()
+        assert s1 == s2
+
+
+def test_oserve_switches_when_the_mix_shifts(conv):
+    _, types, table = conv
+    pool = from_trace(load_trace("azure-conv"), types)
+    cluster = cluster_for_gpus(16)
+    w = sequence(("S1", "S5", "S1"), pool, types, 25.0, 240.0, np.random.default_rng(0))
+    ctx = PlanningContext(LLAMA, cluster, table, initial_rps=w.first_span_rps(60.0, 4))
+    res = simulate(LLAMA, H100, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, 4,
+                   OServePolicy(ctx, oracle=True))
+    assert not res.dropped.any()
+    labels = {s["label"] for s in res.spans}
+    assert "initial" in labels and labels & {"switch", "reroute"}
+
+
+@given(weights=st.lists(st.integers(0, 7), min_size=1, max_size=6).filter(lambda w: sum(w) > 0))
+def test_smooth_router_is_exactly_proportional_over_a_cycle(weights):
+    router = SmoothRouter((tuple(float(w) for w in weights),), [1.0] * len(weights))
+    accepting = np.ones(len(weights), dtype=bool)
+    total = sum(weights)
+    picks = [router.pick(0, accepting) for _ in range(total * 3)]
+    counts = np.bincount(picks, minlength=len(weights))
+    assert counts.tolist() == [3 * w for w in weights]
+
+
+def test_router_skips_replicas_not_accepting():
+    router = SmoothRouter(((1.0, 1.0, 1.0),), [1.0, 1.0, 1.0])
+    accepting = np.array([True, False, True])
+    assert {router.pick(0, accepting) for _ in range(10)} == {0, 2}
+
+
+def test_stabilize_keeps_shared_replicas_in_place(conv):
+    _, _, table = conv
+    cluster = cluster_for_gpus(16)
+    ctx = PlanningContext(LLAMA, cluster, table)
+    old = homogeneous_deployment(ctx, ReplicaShape(4))
+    new = Deployment((Replica("x0", ReplicaShape(8), tuple(range(8))), Replica("x1", ReplicaShape(4), (8, 9, 10, 11)),
+                      Replica("x2", ReplicaShape(4), (12, 13, 14, 15))))
+    out = stabilize(old, new, cluster)
+    kept = {(r.shape, r.gpu_ids) for r in old.replicas} & {(r.shape, r.gpu_ids) for r in out.replicas}
+    assert len(kept) == 2  # two TP4 replicas stay where they were
+    assert sorted(g for r in out.replicas for g in r.gpu_ids) == list(range(16))
+    for r in out.replicas:
+        assert not r.placement_problems(cluster)
+
+
+def test_static_policy_never_switches(conv):
+    trace, types, table = conv
+    cluster = cluster_for_gpus(16)
+    ctx = PlanningContext(LLAMA, cluster, table, initial_rps=np.ones(4))
+    w = from_trace(trace.slice_time(0, 300), types)
+    res = simulate(LLAMA, H100, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, 4,
+                   StaticPolicy(ctx, homogeneous_deployment(ctx, ReplicaShape(4))))
+    assert sum(s["switched"] for s in res.spans) == 1  # the initial deployment only
+
+
+def test_build_scenario_scales_to_the_requested_load():
+    cluster = cluster_for_gpus(16)
+    low = build_scenario("azure-conv", LLAMA, H100, cluster, load=0.4, minutes=10)
+    high = build_scenario("azure-conv", LLAMA, H100, cluster, load=0.8, minutes=10)
+    assert len(high.workload) == pytest.approx(2 * len(low.workload), rel=0.05)
+    s1 = build_scenario("S1", LLAMA, H100, cluster, minutes=5)
+    s5 = build_scenario("S5", LLAMA, H100, cluster, minutes=5)
+    assert s5.cv > s1.cv
