@@ -16,7 +16,8 @@ from conftest import REPO
 
 SUBPACKAGES = {"streams": "oserve.streams", "workers": "oserve.workers", "observability": "oserve.observability"}
 CORE_MODULES = ["oserve", "oserve.specs", "oserve.perfmodel", "oserve.calibration", "oserve.capacity",
-                "oserve.workload", "oserve.errors", "oserve.scheduler", "oserve.sim.cluster", "oserve.sim.policies"]
+                "oserve.workload", "oserve.errors", "oserve.scheduler", "oserve.sim.cluster", "oserve.sim.policies",
+                "oserve.switch"]
 
 
 def test_editable_install_maps_folders_to_subpackages():

@@ -1,0 +1,111 @@
+"""`oserve bench switch`: modeled switching time of the paper's greedy and our planner, and a real execution."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from oserve.cli import bench_app
+
+DEFAULT_MODELS = ("llama2-70b", "opt-66b")
+DEFAULT_GPUS = (8, 16, 32)
+
+
+@bench_app.command("switch")
+def bench_switch(
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    models: list[str] = typer.Option(list(DEFAULT_MODELS), "--model", help="Model preset (repeatable)."),
+    gpus: list[int] = typer.Option(list(DEFAULT_GPUS), "--gpus", help="Cluster size in GPUs (repeatable)."),
+    scheduler: bool = typer.Option(True, "--scheduler/--no-scheduler",
+                                   help="Include switches between deployments the scheduler picks for shifting mixes."),
+    executor: bool = typer.Option(True, "--executor/--no-executor",
+                                  help="Also execute a real switch over 4 worker processes (gloo)."),
+    disk_gbps: float = typer.Option(3.0, help="Reload baseline: GB/s one node reads weights from disk."),
+    engine_start_s: float = typer.Option(15.0, help="Reload baseline: seconds to start an engine."),
+    seed: int = typer.Option(0, help="Seed of the executor's random weights and KV."),
+) -> None:
+    """Switching time, greedy (the paper's) vs improved (ours), against the lower bound and a reload from disk.
+
+    Cases: Llama-2-70B and OPT-66B on 8, 16 and 32 H100s (8 per node, NVLink 400 GB/s, network 200 GB/s
+    per GPU) between the paper's examples — (DP, TP=2) -> (DP', TP=8) and (DP, TP=2, PP=2) -> a
+    heterogeneous deployment — and between the deployments the scheduler picks as the type mix shifts
+    (short -> long -> decode-heavy). Times are modeled (see oserve.switch.planner); the executor part
+    moves real tensors between processes on this machine.
+    """
+    from oserve.switch.bench import all_cases, case_rows, check_targets
+    from oserve.switch.planner import SwitchConfig
+
+    config = SwitchConfig(disk_bytes_per_s=disk_gbps * 1e9, engine_start_s=engine_start_s)
+    err = Console(stderr=True)
+    notes: list[str] = []
+    rows: list[dict] = []
+    started = time.perf_counter()
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, transient=True) as progress:
+        build = progress.add_task("building cases", total=None)
+        cases = all_cases(models, gpus, scheduler=scheduler, notes=notes)
+        progress.update(build, total=1, completed=1, visible=False)
+        task = progress.add_task("planning switches", total=len(cases))
+        for case in cases:
+            progress.update(task, description=f"planning {case.name}")
+            rows.extend(row for row, _ in case_rows(case, config))
+            progress.advance(task)
+        exec_result = None
+        if executor:
+            progress.add_task("executing a real switch over 4 processes", total=None)
+            from oserve.switch.executor import bench_executor
+
+            exec_result = bench_executor(seed=seed)
+    result = {"cases": rows, "executor": exec_result, "targets": check_targets(rows), "notes": notes,
+              "config": {"disk_bytes_per_s": config.disk_bytes_per_s, "engine_start_s": config.engine_start_s},
+              "seconds": time.perf_counter() - started}
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    _print_tables(result)
+
+
+def _print_tables(result: dict) -> None:
+    console = Console()
+    table = Table(title="Switching: modeled seconds (greedy = the paper's, improved = ours)")
+    for col in ("case", "source -> target", "planner", "switch s", "bound s", "ratio", "reload s", "NVLink GB",
+                "network GB", "plan s"):
+        table.add_column(col, justify="left" if col in ("case", "source -> target", "planner") else "right")
+    for r in result["cases"]:
+        lb = r["lower_bound_seconds"]
+        ratio = r["switch_seconds"] / lb if lb > 0 else 1.0
+        table.add_row(r["name"] if r["planner"] == "greedy" else "",
+                      f"{r['source']} -> {r['target']}" if r["planner"] == "greedy" else "",
+                      r["planner"], f"{r['switch_seconds']:.4f}", f"{lb:.4f}", f"{ratio:.3f}",
+                      f"{r['reload_seconds']:.1f}", f"{r['nvlink_bytes'] / 1e9:.1f}", f"{r['network_bytes'] / 1e9:.1f}",
+                      f"{r['plan_seconds']:.2f}", style="bold" if r["planner"] == "improved" else None)
+    console.print(table)
+    t = result["targets"]
+    console.print(f"improved / lower bound, worst case: {t['improved_worst_ratio_to_lower_bound']:.4f} "
+                  f"(target <= 1.05: {'met' if t['improved_within_1_05_of_bound'] else 'MISSED'}); "
+                  f"improved never slower than greedy: {t['improved_never_slower_than_greedy']}")
+    if t["llama2_70b_16gpu_min_reload_over_switch"] is not None:
+        console.print(f"Llama-2-70B on 16 GPUs: reload takes {t['llama2_70b_16gpu_min_reload_over_switch']:.0f}x "
+                      "the modeled switch (at least)")
+    for note in result["notes"]:
+        console.print(f"note: {note}")
+    ex = result["executor"]
+    if ex:
+        et = Table(title="Executor: a real switch over 4 worker processes (gloo, this machine)")
+        for col in ("what", "value"):
+            et.add_column(col)
+        et.add_row("switch", ex["switch"])
+        et.add_row("model", ex["model"])
+        et.add_row("bit-exact (weights and KV)", str(ex["bit_exact"]))
+        et.add_row("bytes moved", f"{ex['bytes']:,}")
+        et.add_row("throughput", f"{ex['gbytes_per_s']:.3f} GB/s over {ex['seconds']:.2f} s")
+        et.add_row("KV", f"{ex['kv_migrated_requests']} requests migrated, {ex['kv_drained_requests']} drained")
+        if "injected_failure" in ex:
+            f = ex["injected_failure"]
+            et.add_row("injected failure", f"rolled back: {f['rolled_back']}, source intact: {f['source_intact']}")
+        console.print(et)
