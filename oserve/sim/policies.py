@@ -26,7 +26,7 @@ from oserve.scheduler import Plan, assign, search
 from oserve.scheduler.packing import place
 from oserve.sim.cluster import Decision, SpanView
 from oserve.sim.engine import SimReplica, SimRequest
-from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape, stage_weight_bytes
+from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,24 +48,16 @@ class SwitchCosts:
     def reload_s(self, model: ModelSpec) -> float:
         return model.weight_bytes / self.reload_bytes_per_s + self.engine_start_s
 
-    def gpu_to_gpu_s(self, model: ModelSpec, cluster: ClusterSpec, new: list[Replica], old: Deployment) -> float:
-        """Weights for the new replicas copied from GPUs of the old deployment, all GPUs in parallel.
+    def gpu_to_gpu_s(self, model: ModelSpec, cluster: ClusterSpec, old: Deployment, target: Deployment) -> float:
+        """Engine start plus the switch planner's modelled time to move every needed weight byte.
 
-        Each new GPU receives its shard (the stage's weights / TP); a GPU in a node that held the model
-        before receives over NVLink, otherwise over the network. A first estimate until the switch
-        planner computes exact plans.
+        The transfer time comes from `oserve.switch.plan_switch` (the improved planner) between the
+        two placed deployments; kept replicas move nothing.
         """
-        if not new:
-            return 0.0
-        old_nodes = {cluster.node_of(g) for r in old.replicas for g in r.gpu_ids}
-        worst = 0.0
-        for r in new:
-            per_stage = stage_weight_bytes(model, r.shape)
-            for s in range(r.shape.pp):
-                for g in r.stage_gpus(s):
-                    bw = cluster.nvlink_bytes_per_s if cluster.node_of(g) in old_nodes else cluster.network_bytes_per_s
-                    worst = max(worst, per_stage[s] / (bw * self.gpu_copy_efficiency))
-        return worst + self.engine_start_s
+        from oserve.switch import plan_switch
+
+        plan = plan_switch(model, cluster, old, target, planner="improved")
+        return plan.switch_seconds / self.gpu_copy_efficiency + self.engine_start_s
 
 
 class _Base:
@@ -269,7 +261,7 @@ class OServePolicy(_Base):
         if not new_reps and old_keys == new_keys:
             # same deployment: just re-route for the new mix
             return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
-        switch_s = 0.0 if self.oracle else ctx.costs.gpu_to_gpu_s(ctx.model, ctx.cluster, new_reps, old)
+        switch_s = 0.0 if self.oracle else ctx.costs.gpu_to_gpu_s(ctx.model, ctx.cluster, old, target)
         leaving = [k for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in new_keys]
         lost = float(sum(np.dot(n_cur[k], rates) / max(rates.sum(), 1e-12) for k in leaving)) if leaving else 0.0
         if self.oracle or _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a_target.served_rps,
