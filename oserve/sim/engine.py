@@ -158,6 +158,7 @@ class SimReplica:
         self.busy_s = 0.0
         self.step_token = 0  # changes whenever the pending step end changes; stale kernel events are skipped
         self._admitted = 0
+        self._queued_tokens = 0  # prompt tokens still to prefill of the waiting requests
         self._max_seqs = engine.max_num_seqs * shape.pp
         self._pp = shape.pp
         # the decoding aggregate
@@ -189,7 +190,7 @@ class SimReplica:
 
     def kv_load_frac(self) -> float:
         """Used plus queued demand for KV, as a fraction of the replica's blocks (Llumnix-style load)."""
-        queued = sum(-(-(r.prompt_tokens - r.prefilled) // self.block_tokens) for r in self.waiting)
+        queued = self._queued_tokens / self.block_tokens
         return (self.total_blocks - self.free_blocks + queued) / self.total_blocks
 
     # --- timing --------------------------------------------------------------------------------
@@ -209,6 +210,7 @@ class SimReplica:
         """Accept a request; returns the new step end when the kernel must (re)schedule one, else None."""
         req.replica_id = self.replica_id
         self.waiting.append(req)
+        self._queued_tokens += req.prompt_tokens - req.prefilled
         if self._busy:
             if self._run_k > 1:
                 token = self.step_token
@@ -265,11 +267,13 @@ class SimReplica:
         self._finish_heap.clear()
         out += list(self.waiting)
         self.waiting.clear()
+        self._queued_tokens = 0
         return out
 
     def take_waiting(self) -> list[SimRequest]:
         out = list(self.waiting)
         self.waiting.clear()
+        self._queued_tokens = 0
         return out
 
     @property
@@ -336,6 +340,7 @@ class SimReplica:
             r.drop_kv()
             r.num_preemptions += 1
             self.waiting.appendleft(r)
+            self._queued_tokens += r.prompt_tokens
             return r
         return None
 
@@ -386,6 +391,7 @@ class SimReplica:
             if extra > self.free_blocks:
                 break
             self.waiting.popleft()
+            self._queued_tokens -= left
             self.free_blocks -= extra
             r.blocks += extra
             self._admitted += 1
@@ -397,7 +403,9 @@ class SimReplica:
         if not chunks and not n_dec:
             if self.waiting:
                 # the head's prompt needs more KV than the whole replica has: reject it rather than spin
-                self.rejected.append(self.waiting.popleft())
+                gone = self.waiting.popleft()
+                self._queued_tokens -= gone.prompt_tokens - gone.prefilled
+                self.rejected.append(gone)
                 return self._start(now_s)
             return None
         tokens = pairs = cached = rows = 0

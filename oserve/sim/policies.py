@@ -222,8 +222,31 @@ def _should_switch(current_served: float, current_peak: float, new_plan_served: 
     return False
 
 
+def least_loaded_among(replicas: list[SimReplica], eligible: tuple[float, ...] | None) -> int | None:
+    """Index of the accepting replica with the least KV load (used plus queued), among those with a
+    positive weight in `eligible` (all accepting replicas when none of those accepts)."""
+    best, best_key = None, None
+    for pass_all in (False, True):
+        for k, r in enumerate(replicas):
+            if not r.accepting or (not pass_all and eligible is not None and (k >= len(eligible) or eligible[k] <= 0)):
+                continue
+            key = (r.kv_load_frac(), r.num_requests)
+            if best_key is None or key < best_key:
+                best, best_key = k, key
+        if best is not None:
+            return best
+    return None
+
+
 class OServePolicy(_Base):
-    """Forecast -> MILP deployment over every shape -> GPU-to-GPU switch when worth it."""
+    """Forecast -> MILP deployment over every shape -> GPU-to-GPU switch when worth it.
+
+    Routing: the assignment decides which replicas may serve each type (its affinity); among those,
+    each request goes to the least-loaded one. Routing by the assignment's exact fractions is fragile
+    when the forecast is off (a type the forecast underestimates overloads the replicas it was given
+    while others idle); least-loaded within the affinity keeps the heterogeneous split and absorbs the
+    forecast error.
+"""
 
     def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None, search_name: str = "milp",
                  oracle: bool = False, headroom: float = 1.0, name: str | None = None) -> None:
@@ -233,6 +256,11 @@ class OServePolicy(_Base):
         self.oracle = oracle
         self.headroom = headroom
         self.name = name or ("oracle" if oracle else "oserve")
+        self._affinity: tuple[tuple[float, ...], ...] = ()
+
+    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
+        eligible = self._affinity[req.type_index] if req.type_index < len(self._affinity) else None
+        return least_loaded_among(replicas, eligible)
 
     def _rates(self, view: SpanView) -> np.ndarray:
         if self.oracle and view.true_next_counts is not None:
@@ -244,6 +272,11 @@ class OServePolicy(_Base):
         return np.maximum(self.forecaster.forecast_rps(view.observed_counts, view.span_s), 0.0)
 
     def decide(self, view: SpanView) -> Decision | None:
+        decision = self._decide(view)
+        self._affinity = decision.weights
+        return decision
+
+    def _decide(self, view: SpanView) -> Decision:
         rates = self._rates(view) * self.headroom
         ctx = self.ctx
         plan: Plan = search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table)
@@ -326,14 +359,7 @@ class StaticPolicy(_Base):
     def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
         if not self.least_loaded:
             return None
-        best, best_key = None, None
-        for k, r in enumerate(replicas):
-            if not r.accepting:
-                continue
-            key = (r.kv_load_frac(), r.num_requests)
-            if best_key is None or key < best_key:
-                best, best_key = k, key
-        return best
+        return least_loaded_among(replicas, None)
 
 
 def llumnix(ctx: PlanningContext, deployment: Deployment) -> StaticPolicy:
