@@ -17,7 +17,7 @@ from conftest import REPO
 SUBPACKAGES = {"streams": "oserve.streams", "workers": "oserve.workers", "observability": "oserve.observability"}
 CORE_MODULES = ["oserve", "oserve.specs", "oserve.perfmodel", "oserve.calibration", "oserve.capacity",
                 "oserve.workload", "oserve.errors", "oserve.scheduler", "oserve.sim.cluster", "oserve.sim.policies",
-                "oserve.switch"]
+                "oserve.switch", "oserve.forecast", "oserve.forecast.baselines", "oserve.online_types"]
 
 
 def test_editable_install_maps_folders_to_subpackages():

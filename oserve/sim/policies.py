@@ -97,6 +97,28 @@ class LastSpanForecaster:
         return observed_counts[-1] / span_s
 
 
+class OnlineForecaster:
+    """Adapts an `oserve.forecast.Forecaster` (learn_one / forecast on span counts) to the policies.
+
+    Feeds it every span that closed since the last call, then forecasts the next span's counts;
+    until the forecaster is ready it answers with the last span's rates.
+    """
+
+    def __init__(self, forecaster) -> None:
+        self.forecaster = forecaster
+        self._seen = 0
+
+    def forecast_rps(self, observed_counts: np.ndarray, span_s: float) -> np.ndarray:
+        for row in observed_counts[self._seen:]:
+            self.forecaster.learn_one(np.asarray(row, dtype=float))
+        self._seen = len(observed_counts)
+        if self.forecaster.needs_retrain():
+            self.forecaster.retrain()
+        if not self.forecaster.ready:
+            return observed_counts[-1] / span_s
+        return np.maximum(self.forecaster.forecast(), 0.0) / span_s
+
+
 def weights_for(plan_assignment, capacity_rows: np.ndarray) -> tuple[tuple[float, ...], ...]:
     """Routing weights [type][replica] from an assignment; a type it serves nowhere goes by capacity."""
     x = np.asarray(plan_assignment.rates_rps, dtype=float)  # [replica][type]
