@@ -42,8 +42,17 @@ def _table(comparison, scenario) -> Table:
     return t
 
 
+def _forecaster_factory(name: str, k: int):
+    """A factory of fresh forecasters for the simulated policies, by `oserve.forecast` name."""
+    from oserve.forecast.evaluate import make_forecasters
+    from oserve.sim.policies import OnlineForecaster
+
+    make_forecasters(k, [name])  # fail fast on an unknown name
+    return lambda: OnlineForecaster(next(iter(make_forecasters(k, [name]).values())))
+
+
 def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], load: float, minutes: float | None,
-         span_s: float, seed: int, console: Console):
+         span_s: float, seed: int, console: Console, forecaster: str = "last_value"):
     from oserve.sim.cluster import SimConfig
     from oserve.sim.evaluate import EvalConfig, build_scenario, compare
     from oserve.specs import cluster_for_gpus, model_preset
@@ -60,7 +69,9 @@ def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], l
             bar.update(tasks[label], completed=frac)
 
         comparison = compare(spec, cluster.gpu, cluster, scenario.workload, scenario.table, policies,
-                             EvalConfig(sim=SimConfig(span_s=span_s)), progress=progress)
+                             EvalConfig(sim=SimConfig(span_s=span_s)),
+                             forecaster_factory=_forecaster_factory(forecaster, len(scenario.table.type_names)),
+                             progress=progress)
     return scenario, comparison, cluster
 
 
@@ -75,6 +86,8 @@ def simulate_cmd(
     minutes: float = typer.Option(None, help="Cut a trace to this long (or set a composition's length)."),
     span: float = typer.Option(60.0, help="Re-planning span in seconds."),
     seed: int = typer.Option(0, help="Seed for scaling and sampling the workload."),
+    forecaster: str = typer.Option("last_value", help="Forecaster of oserve and vllm-reload: last_value, "
+                                                      "moving_average, holt_winters, lstm, ..."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     out: Path = typer.Option(None, help="Write PNG plots and a JSON summary here."),
 ) -> None:
@@ -84,9 +97,10 @@ def simulate_cmd(
     policies = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
     console = Console(stderr=True)
     start = time.perf_counter()
-    scenario, comparison, cluster = _run(trace, model, gpus, policies, load, minutes, span, seed, console)
+    scenario, comparison, cluster = _run(trace, model, gpus, policies, load, minutes, span, seed, console, forecaster)
     elapsed = time.perf_counter() - start
     summary = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "cv": scenario.cv,
+               "forecaster": forecaster,
                "requests": len(scenario.workload), "static_shape": comparison.static_shape,
                "static_tried_p99_s": comparison.static_tried, "seconds": elapsed,
                "policies": {name: r.summary() for name, r in comparison.results.items()}}
