@@ -11,16 +11,12 @@ import numpy as np
 from oserve.errors import ConfigError, UnknownNameError
 from oserve.scheduler.problem import PlanningProblem
 from oserve.scheduler.search import SEARCHES, SearchConfig, check_search_name, search_problem
+from oserve.sim.workloads import COMPOSITIONS
 from oserve.specs import ClusterSpec, ModelSpec, ReplicaShape, cluster_for_gpus
 
-# The paper's Table 1: share (%) of each type in the five compositions S1-S5.
-PAPER_MIXES: dict[str, dict[str, float]] = {
-    "S1": {"SILO": 26.3, "LILO": 26.2, "SISO": 27.3, "LISO": 20.2},
-    "S2": {"SILO": 30.0, "LILO": 28.0, "SISO": 24.2, "LISO": 17.8},
-    "S3": {"SILO": 18.8, "LILO": 18.9, "SISO": 35.5, "LISO": 26.8},
-    "S4": {"SILO": 13.2, "LILO": 14.2, "SISO": 41.1, "LISO": 31.5},
-    "S5": {"SILO": 8.2, "LILO": 8.2, "SISO": 47.1, "LISO": 36.6},
-}
+# The paper's Table 1: share (%) of each type in the five compositions S1-S5 (one table, kept with the
+# simulator's workloads).
+PAPER_MIXES: dict[str, dict[str, float]] = COMPOSITIONS
 BENCH_GPU_COUNTS = (8, 16, 32, 64, 128)
 DEFAULT_LOAD = 1.2
 """Demand as a multiple of what the best homogeneous deployment serves at saturation: near the
