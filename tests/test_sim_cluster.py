@@ -133,3 +133,16 @@ def test_build_scenario_scales_to_the_requested_load():
     s1 = build_scenario("S1", LLAMA, H100, cluster, minutes=5)
     s5 = build_scenario("S5", LLAMA, H100, cluster, minutes=5)
     assert s5.cv > s1.cv
+
+
+def test_a_prompt_larger_than_any_kv_cache_is_dropped_with_a_reason(conv):
+    _, _, table = conv
+    cluster = cluster_for_gpus(8)
+    ctx = PlanningContext(LLAMA, cluster, table, initial_rps=np.ones(4))
+    dep = homogeneous_deployment(ctx, ReplicaShape(2))
+    arrival = np.array([0.0, 0.5, 1.0])
+    inp = np.array([100, 10_000_000, 200])
+    res = simulate(LLAMA, H100, cluster, arrival, inp, np.array([10, 10, 10]), np.zeros(3, dtype=int), 4,
+                   StaticPolicy(ctx, dep))
+    assert res.dropped.tolist() == [False, True, False]
+    assert res.summary()["drop_reasons"] == {"rejected": 1}

@@ -104,8 +104,8 @@ def test_conservation_and_kv_never_over_allocated(lengths, kv_blocks, max_seqs, 
     assert sorted(ids) == list(range(len(reqs)))  # every request ends exactly once
     for r in finished:
         assert r.generated == r.output_tokens and r.finish_s >= r.first_token_s >= r.arrival_s
-    for r in rep.rejected:  # only a prompt that can never fit is rejected
-        assert -(-(r.input_tokens + 1) // 16) > kv_blocks or r.prompt_tokens + 1 > kv_blocks * 16
+    for r in rep.rejected:  # only a request that can never fit the whole cache is rejected
+        assert -(-(r.input_tokens + r.output_tokens) // 16) > kv_blocks
     assert rep.free_blocks == rep.total_blocks
 
 

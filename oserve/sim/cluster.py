@@ -143,6 +143,9 @@ class SimResult:
     """One dict per span: start_s, deployment (list of (replica_id, str(shape), gpu_ids)), forecast_rps,
     counts, switched, switch_s."""
     num_events: int = 0
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+    """Why requests were dropped: 'rejected' (the prompt fits no replica's KV cache), 'horizon'
+    (unfinished `horizon_after_last_arrival_s` after the last arrival)."""
 
     def percentile(self, what: str, q: float) -> float:
         if what == "tbt":
@@ -171,6 +174,7 @@ class SimResult:
             "requests": int(len(self.arrival_s)),
             "finished": int((~self.dropped).sum()),
             "dropped": int(self.dropped.sum()),
+            "drop_reasons": dict(self.drop_reasons),
             "p50_e2e_s": self.percentile("e2e", 50), "p90_e2e_s": self.percentile("e2e", 90),
             "p99_e2e_s": self.percentile("e2e", 99),
             "p50_ttft_s": self.percentile("ttft", 50), "p90_ttft_s": self.percentile("ttft", 90),
@@ -230,7 +234,8 @@ class _Kernel:
         self.spans: list[dict] = []
         self.num_migrations = 0
         self.busy_at_span_start: dict[int, float] = {}
-        self.handoff_due: set[int] = set()  # id() of retired replicas to empty at their next step end
+        self.handoff_due: set[int] = set()
+        self.all_replicas: list[SimReplica] = []  # id() of retired replicas to empty at their next step end
 
     def push(self, t: float, kind: int, payload) -> None:
         self.seq += 1
@@ -245,6 +250,7 @@ class _Kernel:
         rep = SimReplica(spec.replica_id, spec.shape, self.perf.timer(spec.shape), self.config.engine, kv,
                          self.config.memory.block_tokens, available_s, self.tbt)
         rep.gpu_ids = tuple(spec.gpu_ids)
+        self.all_replicas.append(rep)
         return rep
 
     def dispatch(self, req: SimRequest, now: float) -> None:
@@ -372,6 +378,9 @@ class _Kernel:
         finish = np.array([r.finish_s for r in reqs])
         first = np.array([r.first_token_s for r in reqs])
         dropped = ~np.isfinite(finish)
+        rejected = sum(len(r.rejected) for r in self.all_replicas)
+        reasons = {"rejected": rejected, "horizon": int(dropped.sum()) - rejected}
         return SimResult(self.policy.name, self.arrival_s.copy(), self.type_index.copy(), first - self.arrival_s,
                          finish - self.arrival_s, finish, dropped, sum(r.num_preemptions for r in reqs),
-                         self.num_migrations, self.tbt, self.output_tokens.copy(), self.spans, num_events)
+                         self.num_migrations, self.tbt, self.output_tokens.copy(), self.spans, num_events,
+                         {k: v for k, v in reasons.items() if v})

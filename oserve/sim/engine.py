@@ -209,6 +209,11 @@ class SimReplica:
     def enqueue(self, req: SimRequest, now_s: float) -> float | None:
         """Accept a request; returns the new step end when the kernel must (re)schedule one, else None."""
         req.replica_id = self.replica_id
+        if self._blocks_for(req.input_tokens + req.output_tokens) > self.total_blocks:
+            # It could never finish here: it would fill the cache, preempt itself and start over
+            # forever. vLLM refuses such a request up front; so do we (the kernel reports it dropped).
+            self.rejected.append(req)
+            return None
         self.waiting.append(req)
         self._queued_tokens += req.prompt_tokens - req.prefilled
         if self._busy:

@@ -239,8 +239,9 @@ def _should_switch(current_served: float, current_peak: float, new_plan_served: 
     if served_gain > cost and new_plan_served > current_served * 1.01:
         return True
     if current_served >= demand * 0.999 and new_plan_served >= demand * 0.999:
-        # both serve everything: switch only for a clearly lower peak utilisation, and cheap enough
-        return current_peak > 0.8 and new_peak < current_peak - 0.15 and cost < 0.5 * demand * span_s * 0.2
+        # both serve everything: switch only for a clearly lower peak utilisation, and only when the
+        # capacity lost while switching is under a tenth of the span's demand
+        return current_peak > 0.8 and new_peak < current_peak - 0.15 and cost < 0.1 * demand * span_s
     return False
 
 
