@@ -30,7 +30,7 @@ def demo(
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:
     """Run the main job: the bundled trace through OServe and the baselines, with a report folder."""
-    from oserve.cli.sim_cmds import _run, _table
+    from oserve.cli.sim_cmds import _run, _table, out_console
     from oserve.observability import report
     from oserve.sim.evaluate import POLICIES
     from oserve.specs import model_preset
@@ -67,7 +67,7 @@ def demo(
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
         return
-    show = Console()
+    show = out_console()
     show.print(t)
     show.print(_table(comparison, scenario))
     show.print(f"Report: {out}/ (latency_cdf.png, deployment.png, rates.png, summary.json); "

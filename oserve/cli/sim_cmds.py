@@ -20,6 +20,12 @@ def _progress(console: Console) -> Progress:
                     TimeElapsedColumn(), console=console, transient=True)
 
 
+def out_console() -> Console:
+    """Console for result tables: the terminal's width, or 130 columns when output is piped."""
+    console = Console()
+    return console if console.is_terminal else Console(width=130)
+
+
 def _fmt(x: float) -> str:
     return "-" if not math.isfinite(x) else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
 
@@ -29,10 +35,10 @@ def _table(comparison, scenario) -> Table:
     ref = res.get("oserve")
     t = Table(title=f"{scenario.name}: {len(scenario.workload)} requests, {scenario.workload.duration_s / 60:.1f} min, "
                     f"mix CV {scenario.cv:.2f}")
-    cols = ["policy", "P50 e2e", "P90 e2e", "P99 e2e", "P99 TTFT", "P99 TBT", "req/s", "switches", "dropped",
-            "P99 vs OServe"]
+    cols = ["policy", "e2e P50", "P90", "P99", "TTFT P99", "TBT P99", "req/s", "sw", "drop", "P99/OServe"]
     for c in cols:
-        t.add_column(c, justify="left" if c == "policy" else "right")
+        t.add_column(c, justify="left" if c == "policy" else "right", no_wrap=True)
+    t.caption = "latencies in seconds; sw: deployments used (1 = never switched); P99/OServe > 1: OServe better"
     for name, r in res.items():
         s = r.summary()
         ratio = s["p99_e2e_s"] / ref.percentile("e2e", 99) if ref is not None else math.nan
@@ -123,8 +129,9 @@ def simulate_cmd(
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
         return
-    Console().print(_table(comparison, scenario))
-    Console().print(f"vllm-static chose {comparison.static_shape} (tried: " +
+    show = out_console()
+    show.print(_table(comparison, scenario))
+    show.print(f"vllm-static chose {comparison.static_shape} (tried: " +
                     ", ".join(f"{k} P99 {_fmt(v)} s" for k, v in comparison.static_tried.items()) +
                     f"); simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
 
@@ -178,4 +185,4 @@ def bench_e2e(
         t.add_row(r["name"], f"{r['cv']:.2f}", *(f"{r['speedup_p99'].get(k, math.nan):.2f}"
                                                  for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
     t.add_row("mean", "", *(f"{result['mean_speedup_p99'][k]:.2f}" for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
-    Console().print(t)
+    out_console().print(t)
