@@ -49,7 +49,7 @@ def _drain(rep: SimReplica, start_s: float = 0.0, check=None) -> list[SimRequest
 def test_one_request_takes_prefill_plus_decode_time(inp, out):
     rep = _replica()
     req = SimRequest(0, 0, 0.0, inp, out)
-    rep.waiting.append(req)
+    rep.add_waiting(req)
     _drain(rep)
     timer = PERF.timer(ReplicaShape(4))
     budget = EngineConfig().max_num_batched_tokens
@@ -112,7 +112,7 @@ def test_conservation_and_kv_never_over_allocated(lengths, kv_blocks, max_seqs, 
 def test_preemption_happens_under_kv_pressure_and_loses_nothing():
     rep = _replica(kv_tokens=4000)
     for i in range(40):
-        rep.waiting.append(SimRequest(i, 0, 0.0, 200, 400))
+        rep.add_waiting(SimRequest(i, 0, 0.0, 200, 400))
     done = _drain(rep)
     assert len(done) == 40
     assert sum(r.num_preemptions for r in done) > 0
@@ -121,13 +121,13 @@ def test_preemption_happens_under_kv_pressure_and_loses_nothing():
 def test_decode_runs_are_skipped():
     rep = _replica()
     for i in range(8):
-        rep.waiting.append(SimRequest(i, 0, 0.0, 100, 1000))
+        rep.add_waiting(SimRequest(i, 0, 0.0, 100, 1000))
     _drain(rep)
     assert rep.num_steps >= 1000
     # one event per run, not per step: the number of step-end calls is far below the steps
     rep2 = _replica()
     for i in range(8):
-        rep2.waiting.append(SimRequest(i, 0, 0.0, 100, 1000))
+        rep2.add_waiting(SimRequest(i, 0, 0.0, 100, 1000))
     end, calls = rep2.wake(0.0), 0
     while end is not None:
         end = rep2.on_step_end(end).next_end_s
@@ -143,7 +143,7 @@ def test_saturation_throughput_agrees_with_capacity_table():
         for j, (inp, out) in enumerate(((400, 90), (1100, 400))):
             rep = _replica(shape)
             for i in range(3000):
-                rep.waiting.append(SimRequest(i, j, 0.0, inp, out))
+                rep.add_waiting(SimRequest(i, j, 0.0, inp, out))
             done = _drain(rep)
             rate = len(done) / max(r.finish_s for r in done)
             assert rate == pytest.approx(table.rate(shape, j), rel=0.25)

@@ -214,8 +214,7 @@ class SimReplica:
             # forever. vLLM refuses such a request up front; so do we (the kernel reports it dropped).
             self.rejected.append(req)
             return None
-        self.waiting.append(req)
-        self._queued_tokens += req.prompt_tokens - req.prefilled
+        self.add_waiting(req)
         if self._busy:
             if self._run_k > 1:
                 token = self.step_token
@@ -223,6 +222,11 @@ class SimReplica:
                 return end if token != self.step_token else None
             return None
         return self._start(max(now_s, self.available_s))
+
+    def add_waiting(self, req: SimRequest) -> None:
+        """Queue a request without starting a step (`enqueue` does both)."""
+        self.waiting.append(req)
+        self._queued_tokens += req.prompt_tokens - req.prefilled
 
     def wake(self, now_s: float) -> float | None:
         """Start working if idle and something is queued (after becoming available)."""
