@@ -151,6 +151,8 @@ def bench_e2e(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """OServe's P99 against each baseline on the paper's scenarios and the Azure traces."""
+    from oserve.sim.evaluate import POLICIES
+
     console = Console(stderr=True)
     runs = [(name, gpus) for name in scenarios.split(",") if name]
     if extra_32:
@@ -158,8 +160,7 @@ def bench_e2e(
     rows = []
     start = time.perf_counter()
     for name, n_gpus in runs:
-        scenario, comparison, _ = _run(name, model, n_gpus, tuple(__import__("oserve.sim.evaluate", fromlist=["POLICIES"]).POLICIES),
-                                       load, minutes, 60.0, 0, console)
+        scenario, comparison, _ = _run(name, model, n_gpus, POLICIES, load, minutes, 60.0, 0, console)
         res = comparison.results
         row = {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.workload),
                "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},

@@ -87,8 +87,6 @@ class SpanView:
     true_next_counts: np.ndarray | None
     """The coming span's true per-type counts; only for oracle policies."""
     current: Decision | None
-    busy_frac: tuple[float, ...] = ()
-    """Fraction of the last span each current replica was busy."""
 
 
 class Policy(Protocol):
@@ -233,7 +231,6 @@ class _Kernel:
         self.pending: list[SimRequest] = []
         self.spans: list[dict] = []
         self.num_migrations = 0
-        self.busy_at_span_start: dict[int, float] = {}
         self.handoff_due: set[int] = set()
         self.all_replicas: list[SimReplica] = []  # id() of retired replicas to empty at their next step end
 
@@ -307,9 +304,8 @@ class _Kernel:
 
     def on_span(self, i: int, now: float) -> None:
         span_s = self.config.span_s
-        busy = tuple(min(1.0, (r.busy_s - self.busy_at_span_start.get(id(r), 0.0)) / span_s) for r in self.replicas)
         view = SpanView(i, now, span_s, self.true_counts[:i], self.true_counts[i] if i < self.num_spans else None,
-                        self.decision, busy)
+                        self.decision)
         new = self.policy.decide(view)
         switched = self.apply(new, now) if new is not None else False
         d = self.decision
@@ -319,8 +315,6 @@ class _Kernel:
             "forecast_rps": list(d.forecast_rps) if d else [], "counts": self.true_counts[i].tolist(),
             "switched": switched, "switch_s": d.switch_s if (d and switched and i > 0) else 0.0,
             "label": d.label if d else ""})
-        for r in self.replicas:
-            self.busy_at_span_start[id(r)] = r.busy_s
         if i + 1 < self.num_spans:
             self.push(self.t0 + (i + 1) * span_s, SPAN, i + 1)
 

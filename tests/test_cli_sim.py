@@ -1,0 +1,61 @@
+"""`oserve simulate`, `oserve bench e2e` and `oserve demo`: JSON shape, plots, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_cli_trace import run_cli
+
+
+def test_simulate_json_and_plots(monkeypatch, capsys, tmp_path: Path) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, "simulate", "--trace", "S1", "--minutes", "1",
+                             "--policy", "oserve,vllm-static,oracle", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    summary = json.loads(out)
+    assert set(summary["policies"]) == {"oserve", "vllm-static", "oracle"}
+    for s in summary["policies"].values():
+        assert s["finished"] + s["dropped"] == s["requests"] == summary["requests"]
+        assert s["p50_e2e_s"] <= s["p99_e2e_s"]
+    assert set(summary["speedup_p99"]) == {"vllm-static", "oracle"}
+    for png in ("latency_cdf.png", "deployment_oserve.png", "rates_oserve.png"):
+        assert (tmp_path / png).stat().st_size > 10_000
+    assert json.loads((tmp_path / "summary.json").read_text())["scenario"] == "S1"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("simulate", "--policy", "vllm-magic", "--minutes", "1"), "unknown policy 'vllm-magic'"),
+    (("simulate", "--model", "gpt-9", "--minutes", "1"), "unknown model 'gpt-9'"),
+    (("simulate", "--trace", "/no/such/file.csv"), "/no/such/file.csv"),
+    (("simulate", "--forecaster", "crystal-ball", "--minutes", "1"), "unknown forecaster 'crystal-ball'"),
+    (("demo", "--model", "gpt-9"), "unknown model 'gpt-9'"),
+])
+def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, *args)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, "demo", "--minutes", "1", "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["mode"] == "simulated"
+    assert summary["answered"] + summary["errors"] == summary["requests"] > 0
+    assert summary["p99_s"] > 0
+    for name in ("latency_cdf.png", "deployment.png", "rates.png", "summary.json"):
+        assert (tmp_path / name).exists()
+
+
+def test_bench_e2e_json(monkeypatch, capsys) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "e2e", "--scenarios", "S5", "--minutes", "1",
+                             "--no-extra-32", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    (row,) = result["scenarios"]
+    assert row["name"] == "S5@16" and row["cv"] > 0.5
+    assert set(row["p99"]) == {"oserve", "vllm-static", "vllm-reload", "llumnix", "oracle"}
+    assert set(result["mean_speedup_p99"]) == {"vllm-static", "vllm-reload", "llumnix", "oracle"}
