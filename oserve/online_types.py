@@ -115,6 +115,7 @@ class OnlineTypes:
     def predict_one(self, input_tokens: int, *, output_hint: int | None = None, tag: str | None = None,
                     max_tokens: int | None = None) -> int:
         """Type index at arrival: with the hint if given, else with the estimated output. Pure."""
+        _check_tokens(input_tokens, "input_tokens")
         out = float(output_hint) if output_hint is not None else \
             self.estimate_output_one(input_tokens, tag=tag, max_tokens=max_tokens)
         if output_hint is not None:

@@ -31,6 +31,8 @@ def test_simulate_json_and_plots(monkeypatch, capsys, tmp_path: Path) -> None:
     (("simulate", "--trace", "/no/such/file.csv"), "/no/such/file.csv"),
     (("simulate", "--forecaster", "crystal-ball", "--minutes", "1"), "unknown forecaster 'crystal-ball'"),
     (("demo", "--model", "gpt-9"), "unknown model 'gpt-9'"),
+    (("simulate", "--load", "-1"), "--load must be > 0"),
+    (("simulate", "--minutes", "0"), "--minutes must be > 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) -> None:
     code, out, err = run_cli(monkeypatch, capsys, *args)

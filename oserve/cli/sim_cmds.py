@@ -59,10 +59,20 @@ def _forecaster_factory(name: str, k: int):
 
 def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], load: float, minutes: float | None,
          span_s: float, seed: int, console: Console, forecaster: str = "last_value"):
+    from oserve.errors import ConfigError, UnknownNameError
     from oserve.sim.cluster import SimConfig
-    from oserve.sim.evaluate import EvalConfig, build_scenario, compare
+    from oserve.sim.evaluate import POLICIES, EvalConfig, build_scenario, compare
     from oserve.specs import cluster_for_gpus, model_preset
 
+    if not load > 0:
+        raise ConfigError(f"--load must be > 0, got {load}")
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"--minutes must be > 0, got {minutes}")
+    if not span_s > 0:
+        raise ConfigError(f"--span must be > 0 seconds, got {span_s}")
+    for name in policies:
+        if name not in POLICIES:
+            raise UnknownNameError("policy", name, POLICIES)
     spec = model_preset(model)
     cluster = cluster_for_gpus(gpus)
     scenario = build_scenario(scenario_name, spec, cluster.gpu, cluster, load=load, minutes=minutes, seed=seed)

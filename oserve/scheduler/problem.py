@@ -139,6 +139,11 @@ class PlanningProblem:
                 shapes = tuple(s for s in table_shapes(cluster.num_gpus) if s.tp <= cluster.gpus_per_node)
             else:
                 shapes = valid_shapes(model, cluster.gpu, cluster.gpus_per_node, cluster.num_gpus, memory)
+        else:
+            for s in shapes:  # shapes handed in are checked against the model like the defaults are
+                why = shape_problems(model, cluster.gpu, s, cluster.gpus_per_node, memory)
+                if why:
+                    raise ConfigError(f"shape {s} cannot serve {model.name}: {why[0]}")
         if not shapes:
             smallest = min(cluster.gpus_per_node, cluster.num_gpus)
             why = shape_problems(model, cluster.gpu, ReplicaShape(smallest, max(1, cluster.num_gpus // smallest)),

@@ -297,6 +297,10 @@ class _Kernel:
                 self.num_migrations += 1
                 req.num_migrations += 1
                 req.blocks = 0  # re-reserved on the target; its prefill progress and context stay
+                if req.prefilled >= req.prompt_tokens:
+                    # It was decoding: on the target its next step is a one-token chunk over the
+                    # migrated context (as a decode step would be), so it is timed and emits a token.
+                    req.prompt_tokens = req.prefilled + 1
             else:
                 if req.ctx > 0:
                     req.drop_kv()

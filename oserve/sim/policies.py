@@ -31,33 +31,49 @@ from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaSha
 
 @dataclass(frozen=True, slots=True)
 class SwitchCosts:
-    """How long replicas are out of service when a deployment changes."""
+    """How long replicas are out of service when a deployment changes (the switch planner's models)."""
 
     engine_start_s: float = 8.0
     """Starting an engine on GPUs that already hold (or are receiving) weights: process start, KV
     allocation, CUDA-graph capture. The paper measures about 10 s for a GPU-to-GPU switch in all."""
-    reload_bytes_per_s: float = 3.0e9
-    """Reading a replica's weights from storage (each replica loads the whole model in parallel)."""
+    disk_bytes_per_s: float = 3.0e9
+    """Per-node storage bandwidth a reload reads weights at (the GPUs of a node share it)."""
     gpu_copy_efficiency: float = 0.8
-    """Fraction of link bandwidth a weight transfer achieves."""
+    """Fraction of the modelled link bandwidth a weight transfer achieves."""
 
     def __post_init__(self) -> None:
-        if self.engine_start_s < 0 or not self.reload_bytes_per_s > 0 or not 0 < self.gpu_copy_efficiency <= 1:
+        if self.engine_start_s < 0 or not self.disk_bytes_per_s > 0 or not 0 < self.gpu_copy_efficiency <= 1:
             raise ConfigError(f"SwitchCosts: invalid values {self}")
 
-    def reload_s(self, model: ModelSpec) -> float:
-        return model.weight_bytes / self.reload_bytes_per_s + self.engine_start_s
+    def _config(self):
+        from oserve.switch import SwitchConfig
 
-    def gpu_to_gpu_s(self, model: ModelSpec, cluster: ClusterSpec, old: Deployment, target: Deployment) -> float:
-        """Engine start plus the switch planner's modelled time to move every needed weight byte.
+        return SwitchConfig(disk_bytes_per_s=self.disk_bytes_per_s, engine_start_s=self.engine_start_s)
 
-        The transfer time comes from `oserve.switch.plan_switch` (the improved planner) between the
-        two placed deployments; kept replicas move nothing.
-        """
+    def reload_s(self, model: ModelSpec, cluster: ClusterSpec, old: Deployment, target: Deployment) -> float:
+        """The switch planner's reload baseline: changed replicas read their shards from disk, then start."""
+        from oserve.switch.planner import reload_seconds
+
+        return reload_seconds(model, cluster, old, target, self._config())
+
+    def gpu_to_gpu(self, model: ModelSpec, cluster: ClusterSpec, old: Deployment,
+                   target: Deployment) -> tuple[Deployment, float]:
+        """The target as the improved switch planner places it, and the switch time: engine start plus
+        the planner's modelled time to move every needed weight byte (kept replicas move nothing)."""
         from oserve.switch import plan_switch
 
-        plan = plan_switch(model, cluster, old, target, planner="improved")
-        return plan.switch_seconds / self.gpu_copy_efficiency + self.engine_start_s
+        plan = plan_switch(model, cluster, old, target, planner="improved", config=self._config())
+        return plan.target, plan.switch_seconds / self.gpu_copy_efficiency + self.engine_start_s
+
+
+def mix_capacity_rps(n_row: np.ndarray, rates: np.ndarray) -> float:
+    """Requests/s one replica (capacities `n_row` per type) sustains for the mix of `rates`: harmonic. Pure."""
+    total = float(np.sum(rates))
+    if total <= 0:
+        return 0.0
+    p = np.asarray(rates, dtype=float) / total
+    used = p > 0
+    return float(1.0 / np.sum(p[used] / np.asarray(n_row, dtype=float)[used]))
 
 
 class _Base:
@@ -317,9 +333,14 @@ class OServePolicy(_Base):
         if not new_reps and old_keys == new_keys:
             # same deployment: just re-route for the new mix
             return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
-        switch_s = 0.0 if self.oracle else ctx.costs.gpu_to_gpu_s(ctx.model, ctx.cluster, old, target)
+        switch_s = 0.0
+        if not self.oracle:
+            target, switch_s = ctx.costs.gpu_to_gpu(ctx.model, ctx.cluster, old, target)
+            n_target = ctx.table.matrix(target.shapes())
+            a_target = assign(rates, n_target)
+            new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
         leaving = [k for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in new_keys]
-        lost = float(sum(np.dot(n_cur[k], rates) / max(rates.sum(), 1e-12) for k in leaving)) if leaving else 0.0
+        lost = sum(mix_capacity_rps(n_cur[k], rates) for k in leaving)
         if self.oracle or _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a_target.served_rps,
                                          a_target.peak_utilisation, lost, switch_s, view.span_s, float(rates.sum())):
             return Decision(target, weights_for(a_target, n_target), switch_s, tuple(rates), "switch",
@@ -339,6 +360,8 @@ class VllmReloadPolicy(_Base):
     def decide(self, view: SpanView) -> Decision | None:
         ctx = self.ctx
         if len(view.observed_counts) == 0:
+            if ctx.initial_rps is None:
+                raise ConfigError(f"{self.name}: no observed span and no initial rates")
             rates = np.asarray(ctx.initial_rps, dtype=float)
         else:
             rates = np.maximum(self.forecaster.forecast_rps(view.observed_counts, view.span_s), 0.0)
@@ -351,8 +374,8 @@ class VllmReloadPolicy(_Base):
         same = current.deployment.shapes() == dep.shapes()
         if same:
             return Decision(current.deployment, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
-        reload_s = ctx.costs.reload_s(ctx.model)
-        lost = float(sum(np.dot(n_cur[k], rates) / max(rates.sum(), 1e-12) for k in range(len(n_cur))))
+        reload_s = ctx.costs.reload_s(ctx.model, ctx.cluster, current.deployment, dep)
+        lost = sum(mix_capacity_rps(n_cur[k], rates) for k in range(len(n_cur)))
         if _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a.served_rps, a.peak_utilisation, lost, reload_s,
                           view.span_s, float(rates.sum())):
             # every replica changes shape, so the kernel restarts them all

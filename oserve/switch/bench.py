@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from oserve.errors import InfeasibleError
+from oserve.errors import ConfigError, InfeasibleError
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape, cluster_for_gpus, model_preset
 from oserve.switch.planner import PLANNERS, SwitchConfig, SwitchPlan, plan_switch
 
@@ -59,17 +59,19 @@ def describe(deployment: Deployment) -> str:
 
 
 def place_shapes(shapes: Sequence[ReplicaShape], cluster: ClusterSpec, prefix: str = "r") -> Deployment:
-    """Place shapes on the cluster with the scheduler's placer (`oserve.scheduler.place`), else first-fit."""
-    try:
-        from oserve.scheduler import place
-    except ImportError:
-        return _fallback_place(shapes, cluster, prefix)
+    """Place shapes on the cluster with the scheduler's placer."""
+    from oserve.scheduler import place
+
     return place(list(shapes), cluster, id_prefix=prefix)
 
 
 def paper_cases(model_name: str, num_gpus: int) -> list[SwitchCase]:
     """The paper's two switches scaled to `num_gpus`: (DP, TP=2) -> (DP', TP=8), and TP2xPP2 -> heterogeneous."""
     model = model_preset(model_name)
+    known = sorted(HETERO_TARGETS["tp4"])
+    if num_gpus not in known:
+        raise ConfigError(f"the paper's switch cases are defined for {', '.join(map(str, known))} GPUs, "
+                          f"not {num_gpus}")
     cluster = cluster_for_gpus(num_gpus)
     out = []
     g = num_gpus
@@ -108,7 +110,7 @@ def all_cases(models: Iterable[str], gpu_counts: Iterable[int], *, scheduler: bo
             if scheduler:
                 try:
                     out.extend(scheduler_cases(m, g))
-                except (ImportError, InfeasibleError) as exc:
+                except InfeasibleError as exc:
                     if notes is not None:
                         notes.append(f"{m} on {g} GPUs: scheduler cases skipped ({type(exc).__name__}: {exc})")
     return out
@@ -179,22 +181,6 @@ def check_targets(rows: Sequence[dict]) -> dict:
         "cases_where_improved_slower": not_better,
         "llama2_70b_16gpu_min_reload_over_switch": min(speedups) if speedups else None,
     }
-
-
-def _fallback_place(shapes: Sequence[ReplicaShape], cluster: ClusterSpec, prefix: str = "r") -> Deployment:
-    """First-fit placement, larger stages first, each stage inside a node (used where the scheduler is absent)."""
-    free = [list(range(n * cluster.gpus_per_node, (n + 1) * cluster.gpus_per_node)) for n in range(cluster.num_nodes)]
-    replicas = []
-    for i, s in sorted(enumerate(shapes), key=lambda x: (-x[1].tp, x[0])):
-        ids: list[int] = []
-        for _ in range(s.pp):
-            node = next((n for n in range(cluster.num_nodes) if len(free[n]) >= s.tp), None)
-            if node is None:
-                raise InfeasibleError(f"shapes {[str(x) for x in shapes]} do not fit on {cluster.name}")
-            ids.extend(free[node][:s.tp])
-            del free[node][:s.tp]
-        replicas.append((i, s, tuple(ids)))
-    return Deployment(tuple(Replica(f"{prefix}{i}", s, ids) for i, s, ids in sorted(replicas)))
 
 
 __all__ = ["HETERO_TARGETS", "MIXES", "SwitchCase", "all_cases", "case_rows", "check_targets", "describe",

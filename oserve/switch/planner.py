@@ -522,8 +522,11 @@ def plan_transfers(tensors: Mapping[str, TensorSpec], have: Mapping[int, Holding
     volume = defaultdict(int)
     for t in transfers:
         volume[t.link] += t.num_bytes
+    if bound > makespan * (1 + 1e-6) + 1e-12:
+        raise AssertionError(f"lower bound {bound!r} s exceeds the schedule's makespan {makespan!r} s: "
+                             "the bound LP or the schedule is wrong")
     return TransferPlan(transfers, volume["nvlink"], volume["network"], volume["local"], needs.reused_bytes,
-                        makespan, min(bound, makespan))
+                        makespan, bound)
 
 
 # --- target placement --------------------------------------------------------------------------
