@@ -69,7 +69,7 @@ def static_capacity_rps(table: CapacityTable, cluster: ClusterSpec, mix: np.ndar
     """Modelled capacity of every homogeneous deployment for a mix, best first."""
     out = []
     for shape in table.shapes(cluster.num_gpus):
-        count = cluster.num_gpus // shape.num_gpus
+        count = len(homogeneous_deployment(cluster, shape).replicas)
         out.append((homogeneous_rate(table, shape, mix) * count, shape))
     return sorted(out, key=lambda x: (-x[0], x[1].num_gpus))
 

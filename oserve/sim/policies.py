@@ -211,18 +211,15 @@ def _homogeneous_candidates(ctx: PlanningContext) -> list[ReplicaShape]:
     return [s for s in ctx.table.shapes(ctx.cluster.num_gpus) if ctx.cluster.num_gpus // s.num_gpus >= 1]
 
 
-def homogeneous_deployment(ctx: PlanningContext, shape: ReplicaShape) -> Deployment:
-    count = ctx.cluster.num_gpus // shape.num_gpus
-    try:
-        return place([shape] * count, ctx.cluster)
-    except (ConfigError, InfeasibleError):
-        # fewer replicas if the last ones do not pack (TP groups inside nodes)
-        for c in range(count - 1, 0, -1):
-            try:
-                return place([shape] * c, ctx.cluster)
-            except (ConfigError, InfeasibleError):
-                continue
-        raise
+def homogeneous_deployment(ctx: PlanningContext | ClusterSpec, shape: ReplicaShape) -> Deployment:
+    """As many replicas of `shape` as pack on the cluster (TP groups inside nodes), placed. Pure."""
+    cluster = ctx.cluster if isinstance(ctx, PlanningContext) else ctx
+    for count in range(cluster.num_gpus // shape.num_gpus, 0, -1):
+        try:
+            return place([shape] * count, cluster)
+        except (ConfigError, InfeasibleError):
+            continue  # fewer replicas if the last ones do not pack
+    raise InfeasibleError(f"no replica of {shape} packs on {cluster.name}")
 
 
 def best_homogeneous(ctx: PlanningContext, rates: np.ndarray) -> tuple[Deployment, object]:

@@ -54,11 +54,6 @@ class Workload:
     def duration_s(self) -> float:
         return float(self.arrival_s.max() - self.arrival_s.min()) if len(self) else 0.0
 
-    def mean_rps(self) -> np.ndarray:
-        """Mean arrival rate of each type over the workload."""
-        k = int(self.type_index.max()) + 1 if len(self) else 0
-        return np.bincount(self.type_index, minlength=max(k, 4)) / max(self.duration_s, 1e-9)
-
     def first_span_rps(self, span_s: float, num_types: int) -> np.ndarray:
         sel = self.arrival_s < self.arrival_s.min() + span_s
         return np.bincount(self.type_index[sel], minlength=num_types) / span_s
