@@ -41,13 +41,17 @@ def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) ->
     assert len(lines) == 1 and message in lines[0]
 
 
-def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path) -> None:
-    code, out, err = run_cli(monkeypatch, capsys, "demo", "--minutes", "1", "--out", str(tmp_path), "--json")
+@pytest.mark.parametrize("mode", ["live", "simulated"])
+def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) -> None:
+    args = ["demo", "--minutes", "2", "--out", str(tmp_path), "--json"] + (["--simulated"] if mode == "simulated" else [])
+    code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     summary = json.loads(out)
-    assert summary["mode"] == "simulated"
+    assert summary["mode"] == mode
     assert summary["answered"] + summary["errors"] == summary["requests"] > 0
     assert summary["p99_s"] > 0
+    if mode == "live":
+        assert summary["lost"] == 0 and summary["answered"] == summary["requests"]
     for name in ("latency_cdf.png", "deployment.png", "rates.png", "summary.json"):
         assert (tmp_path / name).exists()
 

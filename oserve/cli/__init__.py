@@ -16,8 +16,8 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
 
 # Subcommand modules register themselves on the apps above when imported.
-from oserve.cli import (bench_cmds, demo_cmd, forecast_cmds, plan_cmds, sim_cmds, switch_cmds,  # noqa: E402,F401
-                        trace_cmds)
+from oserve.cli import (bench_cmds, demo_cmd, forecast_cmds, live_cmds, plan_cmds, sim_cmds,  # noqa: E402,F401
+                        switch_cmds, trace_cmds)
 
 
 def main() -> None:

@@ -1,4 +1,11 @@
-"""`oserve demo`: the main job. Until the live pipeline lands it runs the whole method in the simulator."""
+"""`oserve demo`: the main job — the whole live pipeline on an embedded NATS, replaying the bundled trace.
+
+It starts a real `nats-server`, every worker (gateway/router, forecaster stage, scheduler, switch
+planner, engines with the simulated backend on a clock running `--speedup` times faster than wall
+time), replays the bundled Azure conversation trace through the client with a live view, then prints
+a summary and writes a report folder. `--simulated` instead runs the same method and its baselines in
+the offline simulator, side by side.
+"""
 
 from __future__ import annotations
 
@@ -12,63 +19,186 @@ from rich.table import Table
 
 from oserve.cli import app
 
-NOT_YET = (
-    "Not there yet: the live NATS pipeline (gateway/router, forecaster stage, scheduler and switch-planner "
-    "workers, engine workers), the replay over NATS at 60x with a live view, and tracing to Jaeger. "
-    "This demo runs the same method in the simulator: the bundled Azure conversation trace, its workload "
-    "types, the capacity table, the scheduler and the switch planner, against vLLM-style baselines."
-)
-
 
 @app.command("demo")
 def demo(
     model: str = typer.Option("llama2-70b", help="Model preset."),
-    gpus: int = typer.Option(16, help="GPUs in the simulated cluster."),
-    minutes: float = typer.Option(20.0, help="Minutes of the bundled trace to replay."),
-    load: float = typer.Option(0.8, help="Mean demand as a fraction of the best homogeneous capacity."),
+    gpus: int = typer.Option(16, help="GPUs in the (simulated) cluster."),
+    minutes: float = typer.Option(60.0, help="Minutes of the bundled trace to replay."),
+    speedup: float = typer.Option(60.0, help="Clock speed relative to wall time."),
     out: Path = typer.Option(Path("report/demo"), help="Report folder (PNG plots, summary.json)."),
+    view: bool = typer.Option(True, help="Show the live view while replaying."),
+    simulated: bool = typer.Option(False, "--simulated", help="Compare OServe with the baselines in the offline "
+                                                                "simulator instead of running the live pipeline."),
+    load: float = typer.Option(0.8, help="--simulated only: demand as a fraction of the best homogeneous capacity."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:
-    """Run the main job: the bundled trace through OServe and the baselines, with a report folder."""
+    """Run the main job: the bundled trace through the live OServe pipeline, with a report folder."""
+    from oserve.errors import ConfigError
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    model_preset(model)  # fail fast on bad input, before any work
+    cluster_for_gpus(gpus)
+    if not minutes > 0 or not speedup > 0:
+        raise ConfigError(f"--minutes and --speedup must be > 0, got {minutes} and {speedup}")
+    out.mkdir(parents=True, exist_ok=True)
+    if simulated:
+        summary = _simulated(model, gpus, minutes, load, out, show=not json_out)
+    else:
+        summary = _live(model, gpus, minutes, speedup, out, view and not json_out, show=not json_out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if json_out:
+        typer.echo(json.dumps(summary, indent=2))
+
+
+def _live(model: str, gpus: int, minutes: float, speedup: float, out: Path, view: bool, show: bool) -> dict:
+    import asyncio
+
+    from oserve.cli.live_cmds import _system_config
+    from oserve.cli.sim_cmds import out_console
+    from oserve.streams.server import NatsServer
+    from oserve.workload import load_trace
+
+    trace = load_trace("azure-conv")
+    part = trace.slice_time(0.0, minutes * 60.0)
+    config = _system_config("oserve", model, gpus, speedup, 60.0, "azure-conv", "none", "")
+    console = Console(stderr=True)
+    console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the bundled Azure conversation trace "
+                  f"({minutes:.0f} min) through the live pipeline at {speedup:g}x on {gpus} simulated GPUs "
+                  f"({model}); Ctrl-C drains and stops.")
+    start = time.perf_counter()
+    with NatsServer() as server:
+        result, record = asyncio.run(_live_run(server.url, config, trace, part, speedup, view, console))
+    result["seconds"] = time.perf_counter() - start
+    from oserve.workload import fit_types
+
+    names = fit_types(trace.input_tokens, trace.output_tokens, k=config.num_types).names  # as the system fits them
+    _live_report(record, config, gpus, names, out)
+    summary = {"mode": "live", "model": model, "gpus": gpus, "minutes": minutes, **result, "report": str(out)}
+    if not show:
+        return summary
+    t = Table(title="oserve demo: live pipeline")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    for key in ("requests", "answered", "errors", "lost", "switches", "p50_s", "p99_s", "wall_s"):
+        v = result[key]
+        t.add_row(key, f"{v:.2f}" if isinstance(v, float) else str(v))
+    console_out = out_console()
+    console_out.print(t)
+    console_out.print(f"Latencies are on the pipeline's clock ({speedup:g}x wall time). Report: {out}/ (latency_cdf.png, "
+                      f"deployment.png, rates.png, summary.json). For OServe against the baselines: oserve simulate, "
+                      f"or oserve demo --simulated.")
+    return summary
+
+
+async def _live_run(url: str, config, trace, part, speedup: float, view: bool, console: Console):
+    """Start every worker, replay with the live view, drain; returns (replay result, recorded events)."""
+    import asyncio
+    import contextlib
+
+    from rich.live import Live
+
+    from oserve.client import OServeClient
+    from oserve.observability.live_view import LiveView
+    from oserve.streams.schemas import Completed, ForecastMade, StrategyChosen, decode
+    from oserve.workers.system import LiveSystem, connect, planning_inputs, replay
+
+    subjects = config.subjects
+    record: dict[str, list] = {"forecasts": [], "strategies": [], "completions": []}
+
+    async def on_plan(msg) -> None:
+        if msg.subject == subjects.plan_event("forecast"):
+            record["forecasts"].append(decode(msg.data, ForecastMade))
+        elif msg.subject == subjects.plan_event("strategy"):
+            record["strategies"].append(decode(msg.data, StrategyChosen))
+
+    async def on_completed(msg) -> None:
+        record["completions"].extend(decode(msg.data, Completed).items)
+
+    nc = await connect(url, "oserve-demo")
+    subs = [await nc.subscribe(subjects.plan_event("forecast"), cb=on_plan),
+            await nc.subscribe(subjects.plan_event("strategy"), cb=on_plan),
+            await nc.subscribe(subjects.completions(), cb=on_completed)]
+    live_view = LiveView(subjects)
+    await live_view.attach(nc)
+    try:
+        async with LiveSystem(nc, config, planning_inputs(config, trace)) as system:
+            await system.wait_serving(60)
+            client = await OServeClient.connect(url, subjects=subjects, default_timeout_s=120.0)
+            try:
+                with Live(live_view.render(), console=console, refresh_per_second=2) if view \
+                        else contextlib.nullcontext() as live:
+                    task = asyncio.create_task(replay(client, part, speedup, timeout_s=120.0))
+                    while not task.done():
+                        await asyncio.sleep(0.5)
+                        if live is not None:
+                            live.update(live_view.render())
+                    result = task.result()
+            finally:
+                await client.close()
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.drain()
+    return result, record
+
+
+def _live_report(record: dict, config, gpus: int, names: tuple[str, ...], out: Path) -> None:
+    """PNG plots from the recorded events, in the same formats as the simulator's report."""
+    import numpy as np
+
+    from oserve.observability import report
+    from oserve.sim.cluster import SimResult
+    from oserve.sim.engine import TokenHistogram
+    from oserve.specs import ReplicaShape
+
+    done = record["completions"]
+    if done:
+        e2e = np.array([c.e2e_s for c in done])
+        ttft = np.array([c.ttft_s for c in done])
+        fake = SimResult("oserve (live)", np.zeros(len(done)), np.zeros(len(done), dtype=int), ttft, e2e, e2e,
+                         np.zeros(len(done), dtype=bool), 0, 0, TokenHistogram(), np.zeros(len(done)), [])
+        report.latency_cdf({"oserve (live)": fake}, out / "latency_cdf.png", "Live pipeline: latency (clock seconds)")
+    span_s = config.span_s
+    strategies = sorted(record["strategies"], key=lambda s: s.span_index)
+    if strategies:
+        spans, last = [], None
+        for s in strategies:
+            dep = [(r.replica_id, str(ReplicaShape(r.tp, r.pp)), list(r.gpu_ids)) for r in s.replicas]
+            key = sorted((shape, tuple(g)) for _, shape, g in dep)
+            spans.append({"start_s": s.span_index * span_s, "span_index": s.span_index, "deployment": dep,
+                          "switched": key != last})
+            last = key
+        report.deployment_timeline(spans, gpus, out / "deployment.png", "Live pipeline: deployment over time")
+    forecasts = sorted(record["forecasts"], key=lambda f: f.span_index)
+    if forecasts:
+        planned = {f.span_index + 1: list(f.forecast_rps) for f in forecasts}
+        spans = [{"start_s": f.span_start_s, "counts": list(f.observed_counts), "forecast_rps": planned.get(f.span_index, [])}
+                 for f in forecasts]
+        report.rates_and_forecast(spans, names, span_s, out / "rates.png", "Live pipeline: per-type rates and forecast")
+
+
+def _simulated(model: str, gpus: int, minutes: float, load: float, out: Path, show: bool) -> dict:
     from oserve.cli.sim_cmds import _run, _table, out_console
     from oserve.observability import report
     from oserve.sim.evaluate import POLICIES
-    from oserve.specs import model_preset
 
-    model_preset(model)  # fail fast on a bad name, before any work
     console = Console(stderr=True)
-    console.print(f"[yellow]{NOT_YET}[/yellow]")
     start = time.perf_counter()
     scenario, comparison, cluster = _run("azure-conv", model, gpus, POLICIES, load, minutes, 60.0, 0, console)
-    types = scenario.types
-    t = Table(title=f"Workload types of the bundled trace ({len(scenario.workload)} requests after scaling to "
-                    f"{load:.0%} of the best homogeneous capacity)")
-    for col in ("type", "share", "mean input", "mean output"):
-        t.add_column(col, justify="right")
-    for name, s in zip(types.names, types.stats):
-        t.add_row(name, f"{s.share:.1%}", f"{s.mean_input_tokens:.0f}", f"{s.mean_output_tokens:.0f}")
-    out.mkdir(parents=True, exist_ok=True)
     report.latency_cdf(comparison.results, out / "latency_cdf.png", "azure-conv: latency per policy")
     oserve = comparison.results["oserve"]
     report.deployment_timeline(oserve.spans, cluster.num_gpus, out / "deployment.png", "OServe's deployment over time")
     report.rates_and_forecast(oserve.spans, scenario.table.type_names, 60.0, out / "rates.png",
                               "Per-type rates and OServe's forecast")
     s = oserve.summary()
-    summary = {
-        "mode": "simulated",
-        "model": model, "gpus": gpus, "minutes": minutes, "load": load,
+    if show:
+        out_console().print(_table(comparison, scenario))
+    return {
+        "mode": "simulated", "model": model, "gpus": gpus, "minutes": minutes, "load": load,
         "requests": s["requests"], "answered": s["finished"], "errors": s["dropped"],
         "switches": s["switches"] - 1, "p99_s": s["p99_e2e_s"], "p99_ttft_s": s["p99_ttft_s"],
         "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
         "policies": {name: r.summary() for name, r in comparison.results.items()},
         "report": str(out), "seconds": time.perf_counter() - start,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    if json_out:
-        typer.echo(json.dumps(summary, indent=2))
-        return
-    show = out_console()
-    show.print(t)
-    show.print(_table(comparison, scenario))
-    show.print(f"Report: {out}/ (latency_cdf.png, deployment.png, rates.png, summary.json); "
-               f"{summary['seconds']:.0f} s")

@@ -1,0 +1,240 @@
+"""`oserve up`, `oserve worker`, `oserve replay` and `oserve bench bus`: the live pipeline on NATS.
+
+Registered on the apps of `oserve.cli` when imported. Imports of nats, asyncio workers and
+OpenTelemetry stay inside the commands, so `oserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from oserve.cli import app, bench_app
+
+
+@bench_app.command("bus")
+def bench_bus(
+    requests: int = typer.Option(20_000, help="Requests per throughput round."),
+    latency_requests: int = typer.Option(2_000, help="Sequential requests for the latency percentiles."),
+    concurrency: int = typer.Option(128, help="Requests in flight while measuring throughput."),
+    nats_url: str = typer.Option("", "--nats", help="NATS URL; empty starts an embedded nats-server."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Requests/s through gateway -> engine (echo backend) versus a bare NATS echo, and the P99 added."""
+    import asyncio
+
+    from oserve.streams.server import NatsServer
+    from oserve.workers.bench import BusBenchConfig, run_bus_bench
+
+    config = BusBenchConfig(num_requests=requests, num_latency_requests=latency_requests, concurrency=concurrency)
+    if nats_url:
+        result = asyncio.run(run_bus_bench(nats_url, config))
+    else:
+        with NatsServer() as server:
+            result = asyncio.run(run_bus_bench(server.url, config))
+    result["targets"] = {"ratio": ">= 0.5", "p99_added_ms": "< 2"}
+    result["meets_targets"] = result["ratio"] >= 0.5 and result["p99_added_ms"] < 2.0
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Bus benchmark: gateway -> engine (echo backend) vs a bare NATS echo")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    for key in ("routed_per_s", "echo_per_s", "ratio", "p99_added_ms", "p50_added_ms", "echo_p99_ms",
+                "routed_p99_ms"):
+        t.add_row(key, f"{result[key]:.3f}")
+    Console().print(t)
+
+
+_WORKER_NAMES = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
+
+
+def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,
+                   otlp_endpoint: str, workers: tuple[str, ...] = _WORKER_NAMES, epoch_unix_s: float = 0.0):
+    from oserve.observability.tracing import TracingConfig
+    from oserve.streams.subjects import Subjects
+    from oserve.workers.system import SystemConfig
+
+    return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
+                        trace=trace,
+                        tracing=TracingConfig(exporter=tracing, otlp_endpoint=otlp_endpoint),  # type: ignore[arg-type]
+                        workers=workers, epoch_unix_s=epoch_unix_s or None)
+
+
+async def _serve(url: str, config, duration_s: float, label: str, view: bool = False) -> None:
+    """Run `config.workers` until Ctrl-C / SIGTERM (or `duration_s`), then drain: no accepted request unanswered."""
+    import asyncio
+    import contextlib
+    import math
+    import signal
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from oserve.observability.live_view import LiveView
+
+    from oserve.workers.system import LiveSystem, connect, planning_inputs
+
+    inputs = planning_inputs(config)
+    nc = await connect(url, f"oserve-{label}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    system = LiveSystem(nc, config, inputs)
+    try:
+        await system.start()
+        typer.echo(f"oserve {label}: running on {redact_url(url)} (prefix {config.subjects.prefix}, speedup {config.speedup}); "
+                   f"Ctrl-C drains and stops", err=True)
+        live_view = LiveView(config.subjects) if view else None
+        if live_view is not None:
+            await live_view.attach(nc)
+        deadline = loop.time() + duration_s if duration_s > 0 else math.inf
+        with Live(live_view.render(), console=Console(stderr=True), refresh_per_second=2) if live_view \
+                else contextlib.nullcontext() as live:
+            while not stop.is_set() and loop.time() < deadline:
+                try:
+                    await asyncio.wait_for(stop.wait(), min(0.5, deadline - loop.time()))
+                except TimeoutError:
+                    pass
+                if live is not None and live_view is not None:
+                    live.update(live_view.render())
+        typer.echo(f"oserve {label}: draining", err=True)
+        await system.drain()
+    finally:
+        await system.stop()
+        await nc.drain()
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password (for log lines). Pure."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def _logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@app.command("up")
+def up(
+    nats_url: str = typer.Option("", "--nats", help="NATS URL; empty starts an embedded nats-server."),
+    model: str = typer.Option("llama2-7b", help="Model preset the simulated engines run."),
+    gpus: int = typer.Option(8, help="GPUs of the simulated cluster."),
+    speedup: float = typer.Option(1.0, help="Clock speed relative to wall time."),
+    span_s: float = typer.Option(60.0, help="Forecast/planning span (clock seconds)."),
+    trace: str = typer.Option("azure-conv", help="Trace the workload types are fitted on."),
+    prefix: str = typer.Option("oserve", help="Subject prefix."),
+    tracing: str = typer.Option("none", help="Span exporter: none, console or otlp."),
+    otlp_endpoint: str = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint."),
+    duration_s: float = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C)."),
+    view: bool = typer.Option(False, "--view", help="Show a live terminal view of replicas, forecast and plan."),
+) -> None:
+    """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner."""
+    import asyncio
+
+    from oserve.streams.server import NatsServer
+
+    _logging()
+    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint)
+    if nats_url:
+        asyncio.run(_serve(nats_url, config, duration_s, "up", view))
+        return
+    with NatsServer() as server:
+        typer.echo(f"embedded nats-server at {server.url}", err=True)
+        asyncio.run(_serve(server.url, config, duration_s, "up", view))
+
+
+@app.command("worker")
+def worker(
+    name: str = typer.Argument(..., help=f"One of: {', '.join(_WORKER_NAMES)}."),
+    nats_url: str = typer.Option(..., "--nats", help="NATS URL."),
+    model: str = typer.Option("llama2-7b", help="Model preset."),
+    gpus: int = typer.Option(8, help="GPUs of the cluster."),
+    speedup: float = typer.Option(1.0, help="Clock speed relative to wall time."),
+    span_s: float = typer.Option(60.0, help="Forecast/planning span (clock seconds)."),
+    trace: str = typer.Option("azure-conv", help="Trace the workload types are fitted on."),
+    prefix: str = typer.Option("oserve", help="Subject prefix."),
+    tracing: str = typer.Option("none", help="Span exporter: none, console or otlp."),
+    otlp_endpoint: str = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint."),
+    duration_s: float = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C)."),
+    epoch: float = typer.Option(0.0, help="Unix time at which the shared clock reads 0; give every worker the "
+                                           "same one (0: this process's start)."),
+) -> None:
+    """Run one worker against a NATS server (to spread the system over hosts)."""
+    import asyncio
+
+    from oserve.errors import ConfigError
+
+    if name not in _WORKER_NAMES:
+        raise ConfigError(f"unknown worker {name!r}; one of {', '.join(_WORKER_NAMES)}")
+    _logging()
+    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch)
+    asyncio.run(_serve(nats_url, config, duration_s, name))
+
+
+@app.command("replay")
+def replay_cmd(
+    trace: str = typer.Argument("azure-conv", help="Trace name or CSV path."),
+    speedup: float = typer.Option(60.0, help="Clock speed relative to wall time."),
+    minutes: float = typer.Option(5.0, help="Minutes of the trace to replay (from its start)."),
+    nats_url: str = typer.Option("", "--nats", help="NATS URL of a running system; empty runs one embedded."),
+    model: str = typer.Option("llama2-7b", help="Model preset (embedded system)."),
+    gpus: int = typer.Option(8, help="GPUs (embedded system)."),
+    span_s: float = typer.Option(60.0, help="Planning span, clock seconds (embedded system)."),
+    prefix: str = typer.Option("oserve", help="Subject prefix."),
+    timeout_s: float = typer.Option(120.0, help="Per-request reply timeout (wall seconds)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Publish a trace's requests at their sped-up times through the client and report what came back."""
+    import asyncio
+
+    from oserve.client import OServeClient
+    from oserve.streams.server import NatsServer
+    from oserve.streams.subjects import Subjects
+    from oserve.workers.system import LiveSystem, connect, planning_inputs, replay
+    from oserve.workload import load_trace
+
+    tr = load_trace(trace)
+    part = tr.slice_time(float(tr.arrival_s[0]), float(tr.arrival_s[0]) + minutes * 60.0) if len(tr) else tr
+    subjects = Subjects(prefix)
+
+    async def against(url: str) -> dict:
+        client = await OServeClient.connect(url, subjects=subjects, default_timeout_s=timeout_s)
+        try:
+            return await replay(client, part, speedup, timeout_s=timeout_s)
+        finally:
+            await client.close()
+
+    async def embedded(url: str) -> dict:
+        config = _system_config(prefix, model, gpus, speedup, span_s, trace, "none", "")
+        nc = await connect(url, "oserve-replay-system")
+        async with LiveSystem(nc, config, planning_inputs(config, tr)) as system:
+            await system.wait_serving(60)
+            result = await against(url)
+        await nc.drain()
+        return result
+
+    if nats_url:
+        result = asyncio.run(against(nats_url))
+    else:
+        with NatsServer() as server:
+            result = asyncio.run(embedded(server.url))
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    for key in ("requests", "answered", "errors", "lost", "switches", "p50_s", "p99_s", "wall_s"):
+        typer.echo(f"{key:>10}: {result[key]}")

@@ -1,0 +1,131 @@
+"""The OServe client: submit a request over NATS and await its reply.
+
+```python
+async with await OServeClient.connect("nats://127.0.0.1:4222") as client:
+    reply = await client.submit(prompt="Hello", max_tokens=64, timeout_s=30)
+```
+
+Errors are typed: `RequestRejected` (the system answered with a structured error: `code`, `message`),
+`RequestTimeout` (no answer within the timeout), `NoGateway` (nobody listens on the submit subject).
+This module sits outside the pure core on purpose: it imports nats.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Mapping
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from oserve.errors import OServeError
+from oserve.observability.tracing import inject
+from oserve.streams.schemas import (ErrorReply, Ping, Pong, Reply, SchemaError, SubmitRequest, decode_reply,
+                                    encode)
+from oserve.streams.subjects import Subjects
+
+
+class ClientError(OServeError):
+    """Base of the client's errors."""
+
+
+class RequestRejected(ClientError):
+    """The system answered with a structured error."""
+
+    def __init__(self, request_id: str, code: str, message: str) -> None:
+        super().__init__(f"request {request_id or '?'} rejected: {code}: {message}")
+        self.request_id, self.code, self.message = request_id, code, message
+
+
+class RequestTimeout(ClientError):
+    """No reply within the timeout."""
+
+
+class NoGateway(ClientError):
+    """No gateway is subscribed to the submit subject."""
+
+
+class OServeClient:
+    """Async client over one NATS connection; `connect()` makes one, or pass your own `nc`."""
+
+    def __init__(self, nc: NATS, subjects: Subjects = Subjects(), *, default_timeout_s: float = 60.0,
+                 tracer: Tracer | None = None, owns_connection: bool = False) -> None:
+        if not default_timeout_s > 0:
+            raise ValueError(f"default_timeout_s must be > 0, got {default_timeout_s}")
+        self.nc, self.subjects, self.tracer = nc, subjects, tracer
+        self.default_timeout_s = default_timeout_s
+        self._owns = owns_connection
+
+    @classmethod
+    async def connect(cls, url: str, *, subjects: Subjects = Subjects(), user: str | None = None,
+                      password: str | None = None, default_timeout_s: float = 60.0,
+                      tracer: Tracer | None = None, connect_timeout_s: float = 5.0) -> OServeClient:
+        """Connect to NATS; replies arrive under `<reply_prefix>.<user>`, which permissions can restrict."""
+        try:
+            nc = await nats.connect(url, user=user, password=password, connect_timeout=connect_timeout_s,
+                                    inbox_prefix=f"{subjects.reply_prefix()}.{user or 'anon'}",
+                                    max_reconnect_attempts=3)
+        except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
+            raise ClientError(f"cannot connect to NATS at {url}: {exc}") from exc
+        return cls(nc, subjects, default_timeout_s=default_timeout_s, tracer=tracer, owns_connection=True)
+
+    async def submit(self, *, prompt: str | None = None, input_tokens: int | None = None,
+                     max_tokens: int | None = None, output_hint_tokens: int | None = None,
+                     tags: Mapping[str, str] | None = None, request_id: str | None = None,
+                     timeout_s: float | None = None) -> Reply:
+        """Submit one request and await its reply; raises `RequestRejected`, `RequestTimeout`, `NoGateway`."""
+        if (prompt is None) == (input_tokens is None):
+            raise ValueError("give exactly one of prompt (text) and input_tokens (a count)")
+        req = SubmitRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, input_tokens=input_tokens,
+                            max_tokens=max_tokens, output_hint_tokens=output_hint_tokens, tags=dict(tags or {}))
+        return await self.submit_raw(encode(req), req.request_id, timeout_s)  # type: ignore[return-value]
+
+    async def submit_raw(self, payload: bytes, request_id: str = "", timeout_s: float | None = None) -> Reply | Pong:
+        """Send already-encoded bytes to the gateway and decode the answer (tests send malformed ones)."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout}")
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("client.submit", kind=SpanKind.CLIENT,
+                                          attributes={"oserve.request_id": request_id})
+        try:
+            try:
+                msg = await self.nc.request(self.subjects.submit(), payload, timeout=timeout,
+                                            headers=inject(span) if span is not None else None)
+            except nats.errors.NoRespondersError:
+                raise NoGateway(f"no gateway listens on {self.subjects.submit()}") from None
+            except nats.errors.TimeoutError:
+                raise RequestTimeout(f"request {request_id or '?'}: no reply within {timeout} s") from None
+            try:
+                answer = decode_reply(msg.data)
+            except SchemaError as exc:
+                raise ClientError(f"request {request_id or '?'}: unreadable reply: {exc}") from None
+            if isinstance(answer, ErrorReply):
+                raise RequestRejected(answer.request_id or request_id, answer.code, answer.message)
+            return answer
+        except ClientError as exc:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            raise
+        finally:
+            if span is not None:
+                span.end()
+
+    async def ping(self, timeout_s: float = 2.0) -> Pong:
+        """Ask a gateway whether it is up and how many replicas it sees."""
+        answer = await self.submit_raw(encode(Ping()), "ping", timeout_s)
+        assert isinstance(answer, Pong)
+        return answer
+
+    async def close(self) -> None:
+        if self._owns and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def __aenter__(self) -> OServeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,69 @@
+"""JetStream streams and the strategy KV bucket: idempotent setup.
+
+Streams (file storage, so a NATS restart loses nothing):
+- arrivals: `Arrived` events from the gateways (the forecaster's input);
+- completions: `Completed` events from the engines (true output lengths);
+- plans: forecast, strategy, assignment and switch events.
+The KV bucket holds the latest strategy under `Subjects.STRATEGY_KEY` and the assignment the routers
+follow under `Subjects.ASSIGNMENT_KEY`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from oserve.streams.schemas import MAX_MESSAGE_BYTES
+from oserve.streams.subjects import Subjects
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """Retention of the event streams."""
+
+    max_age_s: float = 7 * 24 * 3600.0
+    """Events older than this are dropped (seconds)."""
+    max_bytes: int = 1 << 30
+    """Bytes kept per stream."""
+    duplicate_window_s: float = 120.0
+    """Window in which a repeated `Nats-Msg-Id` is stored once (seconds)."""
+
+    def __post_init__(self) -> None:
+        if self.max_age_s <= 0 or self.max_bytes <= 0 or self.duplicate_window_s <= 0:
+            raise ValueError(f"StreamLimits must be positive, got {self}")
+
+
+def stream_configs(subjects: Subjects, limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
+    """The stream definitions for `subjects`. Pure."""
+    common = dict(storage=StorageType.FILE, max_age=limits.max_age_s, max_bytes=limits.max_bytes,
+                  max_msg_size=MAX_MESSAGE_BYTES, duplicate_window=limits.duplicate_window_s)
+    return [
+        StreamConfig(name=subjects.stream_arrivals(), subjects=[subjects.arrivals()], **common),
+        StreamConfig(name=subjects.stream_completions(), subjects=[subjects.completions()], **common),
+        StreamConfig(name=subjects.stream_plans(), subjects=[subjects.plan_events()], **common),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, subjects: Subjects,
+                         limits: StreamLimits = StreamLimits()) -> KeyValue:
+    """Create (or bring up to date) the streams and the strategy bucket; safe to call any number of times."""
+    for cfg in stream_configs(subjects, limits):
+        try:
+            await js.stream_info(cfg.name)  # type: ignore[arg-type]
+        except NotFoundError:
+            try:
+                await js.add_stream(cfg)
+                continue
+            except BadRequestError:  # created concurrently by another worker
+                pass
+        await js.update_stream(cfg)
+    bucket = subjects.strategy_bucket()
+    try:
+        return await js.key_value(bucket)
+    except NotFoundError:  # BucketNotFoundError
+        pass
+    return await js.create_key_value(KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE))

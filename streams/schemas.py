@@ -1,0 +1,341 @@
+"""Message schemas of the bus: typed, versioned msgspec Structs, decoded strictly at the edge. Pure.
+
+Every payload carries its version in the `type` field (`"submit.v1"`); a breaking change is a new tag
+published beside the old one until consumers move, and new fields only ever get defaults. Golden JSON
+files under `tests/data/bus/` keep decoding. Decoding failures become a `SchemaError` with a stable
+`code` that the gateway turns into an `ErrorReply`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+# Hard limits of the wire format, whatever a deployment configures below them.
+MAX_MESSAGE_BYTES = 256 * 1024
+"""Largest payload accepted on any subject (bytes); the server's max_payload is set above this."""
+MAX_TOKENS = 1 << 20
+"""Largest token count (input, output, hint) a message may carry; more is absurd, not merely large."""
+MAX_ID_CHARS = 128
+MAX_TAGS = 16
+BYTES_PER_TOKEN = 4
+"""Prompt text is counted at about 4 UTF-8 bytes per token; there is no tokenizer on the request path."""
+
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Tokens = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+PosTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+Seconds = Annotated[float, Meta(ge=0.0)]
+EVENT_BATCH_ITEMS = 500
+"""Items per batched event (`Arrived`, `Completed`); about 100 KiB of JSON, well under the message limit."""
+
+TagKey = Annotated[str, Meta(min_length=1, max_length=64)]
+TagValue = Annotated[str, Meta(max_length=256)]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """Base of every bus message; unknown fields are ignored so a newer producer can add defaults."""
+
+
+# --- request path -----------------------------------------------------------------------------------
+
+
+class SubmitRequest(_Msg, frozen=True, kw_only=True, tag="submit.v1"):
+    """A client's request to the gateway: a prompt (text or a token count) and generation limits."""
+
+    request_id: Id
+    prompt: Annotated[str, Meta(max_length=MAX_MESSAGE_BYTES)] | None = None
+    input_tokens: Tokens | None = None
+    """Prompt length when the client sends a count instead of text."""
+    max_tokens: PosTokens | None = None
+    output_hint_tokens: PosTokens | None = None
+    """The client's own estimate of the answer's length, used to classify before it is known."""
+    tags: Annotated[dict[TagKey, TagValue], Meta(max_length=MAX_TAGS)] = {}
+
+    def prompt_tokens(self) -> int:
+        """Input length in tokens: the count given, else the text's approximate count. Pure."""
+        if self.input_tokens is not None:
+            return self.input_tokens
+        return -(-len((self.prompt or "").encode()) // BYTES_PER_TOKEN)
+
+
+class Ping(_Msg, frozen=True, kw_only=True, tag="ping.v1"):
+    """A liveness probe on the submit subject; the gateway answers `Pong`."""
+
+    request_id: Id = "ping"
+
+
+class Pong(_Msg, frozen=True, kw_only=True, tag="pong.v1"):
+    gateway_id: str
+    num_replicas: int
+
+
+class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
+    """A validated request, forwarded by the gateway to one engine worker (reply goes to the client)."""
+
+    request_id: Id
+    input_tokens: Tokens
+    max_tokens: PosTokens
+    """Tokens to generate at most; the `sim` backend generates exactly this many."""
+    type_index: int
+    """Workload type the router classified it as (input length + output estimate)."""
+    gateway_id: str
+    attempt: int = 0
+    """0 on first dispatch; +1 each time it is re-dispatched after its replica went silent."""
+
+
+class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
+    """The answer to a `SubmitRequest`."""
+
+    request_id: str
+    replica_id: str
+    input_tokens: int
+    output_tokens: int
+    type_index: int
+    ttft_s: float
+    """Time to first token on the engine's clock (seconds from its arrival at the engine)."""
+    e2e_s: float
+    text: str = ""
+
+
+class ErrorReply(_Msg, frozen=True, kw_only=True, tag="error.v1"):
+    """A structured refusal: `code` is stable (see `ErrorCode`), `message` is for humans."""
+
+    request_id: str = ""
+    code: str
+    message: str
+
+
+class ErrorCode:
+    BAD_JSON = "bad_json"
+    BAD_VERSION = "bad_version"
+    BAD_SCHEMA = "bad_schema"
+    TOO_LARGE = "too_large"
+    INVALID = "invalid"
+    NO_REPLICA = "no_replica"
+    OVERLOADED = "overloaded"
+    INTERNAL = "internal"
+
+
+# --- events (JetStream) -----------------------------------------------------------------------------
+
+
+class Arrival(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    at_s: float  # on the gateway's clock
+    input_tokens: int
+    est_output_tokens: int
+    type_index: int
+    replica_id: str
+
+
+class Arrived(_Msg, frozen=True, kw_only=True, tag="arrived.v1"):
+    """Requests the gateway accepted since its last event (ids and deltas, not state)."""
+
+    gateway_id: str
+    items: list[Arrival]
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    replica_id: str
+    input_tokens: int
+    output_tokens: int
+    type_index: int
+    ttft_s: float
+    e2e_s: float
+    finished_at_s: float  # on the engine's clock
+
+
+class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
+    """Requests one engine answered since its last event; true output lengths for the forecaster."""
+
+    replica_id: str
+    items: list[Completion]
+
+
+class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat.v1"):
+    replica_id: str
+    at_s: float
+    num_waiting: int
+    num_running: int
+    accepting: bool = True
+    """False once draining: route nothing new here."""
+
+
+class Telemetry(_Msg, frozen=True, kw_only=True, tag="telemetry.v1"):
+    """Per-source load and latency over the last window."""
+
+    source_id: str
+    at_s: float
+    window_s: float
+    num_requests: int
+    num_errors: int = 0
+    requests_per_s: float
+    p50_e2e_s: float | None = None
+    """None when nothing finished in the window (JSON has no NaN)."""
+    p99_e2e_s: float | None = None
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_load_frac: float = 0.0
+
+
+class AssignmentSet(_Msg, frozen=True, kw_only=True, tag="assignment.v1"):
+    """The router's weights: `weights[j][replica_id]` is the share of type j's requests sent there."""
+
+    strategy_id: str
+    weights: list[dict[str, float]]
+
+
+# --- control plane: forecast -> strategy -> switch ----------------------------------------------------
+
+
+class ForecastMade(_Msg, frozen=True, kw_only=True, tag="forecast.v1"):
+    """At a span boundary: the span's observed per-type arrivals and the next span's forecast."""
+
+    span_index: int
+    span_start_s: float
+    span_s: float
+    observed_counts: list[int]
+    """Arrivals of the span that just ended, per type (as classified at arrival)."""
+    forecast_rps: list[float]
+    """Forecast per-type rates for the next span (requests/s on the clock)."""
+    misclassified_frac: float = 0.0
+    """Of the span's completions, the fraction whose true type differs from the one routed on."""
+
+
+class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str
+    tp: int
+    pp: int
+    gpu_ids: list[int]
+
+
+class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
+    """The scheduler's decision: a deployment and per-type routing weights over its replicas."""
+
+    strategy_id: str
+    span_index: int
+    replicas: list[ReplicaSpec]
+    weights: list[dict[str, float]]
+    """weights[j][replica_id]: share of type j's requests for that replica."""
+    switch_s: float
+    """Clock seconds until the replicas new in this deployment can serve (modelled weight transfer)."""
+    forecast_rps: list[float]
+    label: str = ""
+
+
+class StartReplica(_Msg, frozen=True, kw_only=True, tag="start_replica.v1"):
+    """Command to an engine host: bring up a replica, serving after `ready_after_s` clock seconds."""
+
+    strategy_id: str
+    replica: ReplicaSpec
+    ready_after_s: float
+
+
+class DrainReplica(_Msg, frozen=True, kw_only=True, tag="drain_replica.v1"):
+    """Command to an engine host: finish a replica's requests, then release it."""
+
+    strategy_id: str
+    replica_id: str
+
+
+class ReplicaReady(_Msg, frozen=True, kw_only=True, tag="replica_ready.v1"):
+    strategy_id: str
+    replica_id: str
+
+
+class ReplicaDrained(_Msg, frozen=True, kw_only=True, tag="replica_drained.v1"):
+    strategy_id: str
+    replica_id: str
+
+
+class SwitchPlanned(_Msg, frozen=True, kw_only=True, tag="switch_planned.v1"):
+    strategy_id: str
+    start_ids: list[str]
+    retire_ids: list[str]
+    switch_s: float
+
+
+class SwitchCompleted(_Msg, frozen=True, kw_only=True, tag="switch_completed.v1"):
+    strategy_id: str
+    switch_wall_s: float
+
+
+class SwitchRolledBack(_Msg, frozen=True, kw_only=True, tag="switch_rolled_back.v1"):
+    strategy_id: str
+    reason: str
+
+
+HostCommand = StartReplica | DrainReplica
+SwitchEvent = SwitchPlanned | SwitchCompleted | SwitchRolledBack
+ReplicaEvent = ReplicaReady | ReplicaDrained
+
+
+class SchemaError(Exception):
+    """A message failed validation at the edge; `code` is an `ErrorCode` value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+_submit_decoder = msgspec.json.Decoder(SubmitRequest | Ping)
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """JSON bytes of a message, with its version tag. Pure."""
+    return _encoder.encode(msg)
+
+
+def _edge_error(exc: msgspec.DecodeError) -> SchemaError:
+    text = str(exc)
+    if isinstance(exc, msgspec.ValidationError):
+        if "`$.type`" in text or "Object missing required field `type`" in text:
+            return SchemaError(ErrorCode.BAD_VERSION, text)
+        if any(op in text for op in (">=", "<=", "length")):
+            return SchemaError(ErrorCode.INVALID, text)
+        if "Expected `" in text or "missing required field" in text or "unknown field" in text:
+            return SchemaError(ErrorCode.BAD_SCHEMA, text)
+        return SchemaError(ErrorCode.INVALID, text)
+    return SchemaError(ErrorCode.BAD_JSON, text)
+
+
+def decode_submit(data: bytes) -> SubmitRequest | Ping:
+    """Decode and validate a client's message strictly. Pure; raises `SchemaError`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise SchemaError(ErrorCode.TOO_LARGE, f"message is {len(data)} bytes, limit {MAX_MESSAGE_BYTES}")
+    try:
+        msg = _submit_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise _edge_error(exc) from None
+    if isinstance(msg, SubmitRequest):
+        if (msg.prompt is None) == (msg.input_tokens is None):
+            raise SchemaError(ErrorCode.INVALID, "give exactly one of `prompt` (text) and `input_tokens` (a count)")
+        if msg.prompt is not None and msg.prompt_tokens() > MAX_TOKENS:
+            raise SchemaError(ErrorCode.TOO_LARGE, "prompt too long")
+    return msg
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode(data: bytes, kind: type[msgspec.Struct] | object) -> msgspec.Struct:
+    """Decode an internal message of type (or union) `kind` strictly. Pure; raises `SchemaError`."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise SchemaError(ErrorCode.TOO_LARGE, f"message is {len(data)} bytes, limit {MAX_MESSAGE_BYTES}")
+    dec = _decoders.get(kind)  # type: ignore[arg-type]
+    if dec is None:
+        dec = _decoders[kind] = msgspec.json.Decoder(kind)  # type: ignore[index]
+    try:
+        return dec.decode(data)
+    except msgspec.DecodeError as exc:
+        raise _edge_error(exc) from None
+
+
+def decode_reply(data: bytes) -> Reply | ErrorReply | Pong:
+    """Decode what comes back to a client. Pure; raises `SchemaError`."""
+    return decode(data, Reply | ErrorReply | Pong)  # type: ignore[return-value]

@@ -1,0 +1,100 @@
+"""Every NATS subject, stream and bucket name OServe uses, built from one prefix. Pure.
+
+Nobody spells a subject string elsewhere: workers, the client, tests and the NATS permissions in
+`deploy/` all take their names from a `Subjects`. Tests give each one its own prefix so they cannot
+hear each other on a shared server.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _check_token(what: str, value: str) -> str:
+    if not _TOKEN_RE.match(value):
+        raise ValueError(f"{what} must be letters, digits, '_' or '-' (one subject token), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject and JetStream names under one prefix (`oserve` in production, one per test)."""
+
+    prefix: str = "oserve"
+    """First subject token of every subject; also the stem of stream and bucket names."""
+
+    def __post_init__(self) -> None:
+        _check_token("Subjects.prefix", self.prefix)
+
+    # --- request path (core NATS, request/reply) ----------------------------------------------
+
+    def submit(self) -> str:
+        """Clients publish `SubmitRequest`s here; the gateways' queue group listens."""
+        return f"{self.prefix}.req.submit"
+
+    def replica(self, replica_id: str) -> str:
+        """The gateway forwards `Dispatch`es to one engine worker here."""
+        return f"{self.prefix}.engine.{_check_token('replica_id', replica_id)}.dispatch"
+
+    def replica_control(self, replica_id: str) -> str:
+        """Commands to one engine worker (start, drain)."""
+        return f"{self.prefix}.engine.{_check_token('replica_id', replica_id)}.control"
+
+    def reply_prefix(self) -> str:
+        """Inbox prefix of clients; a client reads only replies under its own inbox."""
+        return f"_INBOX_{self.prefix}"
+
+    # --- events (captured by JetStream streams) -----------------------------------------------
+
+    def arrivals(self) -> str:
+        return f"{self.prefix}.evt.arrived"
+
+    def completions(self) -> str:
+        return f"{self.prefix}.evt.completed"
+
+    def plan_event(self, kind: str) -> str:
+        """Control-plane events: `forecast`, `strategy`, `switch`, `replica`, `assignment`."""
+        return f"{self.prefix}.plan.{_check_token('kind', kind)}"
+
+    def plan_events(self) -> str:
+        return f"{self.prefix}.plan.>"
+
+    def host_control(self, host_id: str) -> str:
+        """Commands (`StartReplica`, `DrainReplica`) to one engine host."""
+        return f"{self.prefix}.host.{_check_token('host_id', host_id)}.control"
+
+    # --- liveness and telemetry (core NATS, not persisted) ------------------------------------
+
+    def heartbeat(self, replica_id: str) -> str:
+        return f"{self.prefix}.hb.{_check_token('replica_id', replica_id)}"
+
+    def heartbeats(self) -> str:
+        return f"{self.prefix}.hb.*"
+
+    def telemetry(self, source_id: str) -> str:
+        return f"{self.prefix}.telemetry.{_check_token('source_id', source_id)}"
+
+    def all_telemetry(self) -> str:
+        return f"{self.prefix}.telemetry.*"
+
+    # --- JetStream names ------------------------------------------------------------------------
+
+    def stream_arrivals(self) -> str:
+        return f"{self.prefix.upper()}_ARRIVALS"
+
+    def stream_completions(self) -> str:
+        return f"{self.prefix.upper()}_COMPLETIONS"
+
+    def stream_plans(self) -> str:
+        return f"{self.prefix.upper()}_PLANS"
+
+    def strategy_bucket(self) -> str:
+        return f"{self.prefix}_strategy"
+
+    # KV keys of the strategy bucket: the latest chosen strategy (deployment + weights), and the
+    # assignment the routers follow (written when a switch completes)
+    STRATEGY_KEY = "current"
+    ASSIGNMENT_KEY = "assignment"

@@ -1,0 +1,189 @@
+"""The bus contract without a server: subjects, strict edge decoding, golden files, routing helpers, Clock."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oserve.streams import schemas as sc
+from oserve.streams.subjects import Subjects
+from oserve.workers.backends import EchoBackend, Job, SimBackend
+from oserve.workers.clock import Clock
+from oserve.workers.router import Classifier, SmoothWRR
+from oserve.workload import fit_types
+
+GOLDEN = Path(__file__).parent / "data" / "bus"
+KINDS = {"submit": sc.SubmitRequest, "dispatch": sc.Dispatch, "reply": sc.Reply, "error": sc.ErrorReply,
+         "arrived": sc.Arrived, "completed": sc.Completed, "heartbeat": sc.Heartbeat, "telemetry": sc.Telemetry,
+         "assignment": sc.AssignmentSet}
+
+
+@pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.name)
+def test_golden_files_keep_decoding(path: Path) -> None:
+    data = path.read_bytes()
+    kind = KINDS[path.name.split(".")[0]]
+    msg = sc.decode_submit(data) if kind is sc.SubmitRequest else sc.decode(data, kind)
+    assert isinstance(msg, kind)
+    # the round trip keeps every field the file gives
+    again = json.loads(sc.encode(msg))
+    for key, value in json.loads(data).items():
+        assert again[key] == value
+
+
+def _submit(**fields) -> bytes:
+    base = {"type": "submit.v1", "request_id": "r1", "input_tokens": 10, "max_tokens": 5}
+    base.update(fields)
+    return json.dumps({k: v for k, v in base.items() if v is not None}).encode()
+
+
+@pytest.mark.parametrize("data,code", [
+    (b"{not json", sc.ErrorCode.BAD_JSON),
+    (b"", sc.ErrorCode.BAD_JSON),
+    (_submit(type="submit.v9"), sc.ErrorCode.BAD_VERSION),
+    (json.dumps({"request_id": "r1", "input_tokens": 3}).encode(), sc.ErrorCode.BAD_VERSION),
+    (_submit(input_tokens=-1), sc.ErrorCode.INVALID),
+    (_submit(max_tokens=0), sc.ErrorCode.INVALID),
+    (_submit(input_tokens=10**12), sc.ErrorCode.INVALID),
+    (_submit(output_hint_tokens=-3), sc.ErrorCode.INVALID),
+    (_submit(request_id=""), sc.ErrorCode.INVALID),
+    (_submit(input_tokens="many"), sc.ErrorCode.BAD_SCHEMA),
+    (b"[1, 2]", sc.ErrorCode.BAD_SCHEMA),
+    (_submit(prompt="hello"), sc.ErrorCode.INVALID),  # both prompt and input_tokens
+    (_submit(input_tokens=None), sc.ErrorCode.INVALID),  # neither
+    (b" " * (sc.MAX_MESSAGE_BYTES + 1), sc.ErrorCode.TOO_LARGE),
+])
+def test_bad_submissions_raise_structured_errors(data: bytes, code: str) -> None:
+    with pytest.raises(sc.SchemaError) as info:
+        sc.decode_submit(data)
+    assert info.value.code == code
+    assert info.value.message
+
+
+@given(st.binary(max_size=300))
+def test_decode_submit_never_raises_anything_but_schema_error(data: bytes) -> None:
+    try:
+        sc.decode_submit(data)
+    except sc.SchemaError:
+        pass
+
+
+def test_prompt_text_is_counted_in_tokens() -> None:
+    msg = sc.decode_submit(_submit(input_tokens=None, prompt="x" * 41))
+    assert isinstance(msg, sc.SubmitRequest) and msg.prompt_tokens() == 11
+
+
+def test_subjects_are_built_from_one_prefix_and_checked() -> None:
+    s = Subjects("abc")
+    assert s.submit() == "abc.req.submit"
+    assert s.replica("r-1") == "abc.engine.r-1.dispatch"
+    assert s.plan_event("forecast").startswith("abc.plan.")
+    names = [s.submit(), s.replica("r"), s.arrivals(), s.completions(), s.heartbeat("r"), s.telemetry("r"),
+             s.plan_events()]
+    assert all(n.startswith("abc.") for n in names)
+    for bad in ("a.b", "a b", "", "a*", "a>"):
+        with pytest.raises(ValueError):
+            Subjects(bad)
+        with pytest.raises(ValueError):
+            s.replica(bad)
+
+
+@pytest.fixture(scope="module")
+def types():
+    rng = np.random.default_rng(0)
+    inp = np.exp(rng.uniform(1, 9, 2000)).astype(np.int64)
+    out = np.exp(rng.uniform(0.5, 7, 2000)).astype(np.int64)
+    return fit_types(inp, out, k=4, seed=0)
+
+
+@given(st.integers(0, 200_000), st.integers(0, 50_000))
+def test_classifier_agrees_with_workload_types(types, input_tokens: int, output_tokens: int) -> None:
+    assert Classifier(types).classify(input_tokens, output_tokens) == types.classify_one(input_tokens, output_tokens)
+
+
+def test_output_estimate_prefers_hint_then_max_tokens_then_mean(types) -> None:
+    c = Classifier(types)
+    assert c.estimate_output(7, 100) == 7
+    assert c.estimate_output(None, 100) == 100
+    mean = sum(s.share * s.mean_output_tokens for s in types.stats)
+    assert c.estimate_output(None, None) == max(1, round(mean))
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=5))
+def test_smooth_wrr_follows_weights_exactly_over_a_cycle(weights: list[int]) -> None:
+    ids = [f"r{i}" for i in range(len(weights))]
+    w = dict(zip(ids, map(float, weights)))
+    wrr = SmoothWRR()
+    picks = [wrr.pick(0, w, ids) for _ in range(sum(weights))]
+    assert [picks.count(r) for r in ids] == weights
+
+
+def test_smooth_wrr_skips_ineligible_and_zero_weights() -> None:
+    wrr = SmoothWRR()
+    assert wrr.pick(0, {"a": 1.0, "b": 0.0}, ["a", "b"]) == "a"
+    assert wrr.pick(0, {"a": 1.0}, ["b"]) is None
+    assert {wrr.pick(1, {"a": 1.0, "b": 1.0}, ["a", "b"]) for _ in range(2)} == {"a", "b"}
+
+
+def test_clock_runs_at_its_speedup() -> None:
+    t = [100.0]
+    clock = Clock(speedup=60.0, start_s=5.0, monotonic=lambda: t[0])
+    assert clock.now_s() == 5.0
+    t[0] += 2.0
+    assert clock.now_s() == pytest.approx(125.0)
+    assert clock.wall_seconds_until(185.0) == pytest.approx(1.0)
+    assert clock.wall_seconds_until(0.0) == 0.0
+    with pytest.raises(ValueError):
+        Clock(speedup=0)
+
+
+def test_core_does_not_import_the_bus() -> None:
+    code = ("import sys, oserve, oserve.specs, oserve.workload, oserve.sim.engine, oserve.sim.policies\n"
+            "bad = [m for m in ('nats', 'asyncio', 'opentelemetry', 'msgspec') if m in sys.modules]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_clocks_from_one_epoch_agree() -> None:
+    import time
+
+    epoch = time.time() - 10.0
+    a, b = Clock.from_epoch(epoch, speedup=60.0), Clock.from_epoch(epoch, speedup=60.0)
+    assert a.now_s() == pytest.approx(600.0, abs=6.0)
+    assert abs(a.now_s() - b.now_s()) < 1.0
+
+
+def test_every_event_survives_its_own_encoding() -> None:
+    quiet = sc.Telemetry(source_id="r0", at_s=1.0, window_s=5.0, num_requests=0, requests_per_s=0.0)
+    assert sc.decode(sc.encode(quiet), sc.Telemetry) == quiet
+    hb = sc.Heartbeat(replica_id="r0", at_s=0.0, num_waiting=0, num_running=0)
+    assert sc.decode(sc.encode(hb), sc.Heartbeat) == hb
+
+
+@pytest.mark.parametrize("make", [EchoBackend, lambda: SimBackend("r0")], ids=["echo", "sim"])
+def test_engine_backend_contract(make) -> None:
+    """Every backend finishes every job exactly once, with the tokens asked for, never before it arrived."""
+    backend = make()
+    rng = np.random.default_rng(1)
+    jobs = {}
+    finished = []
+    now = 0.0
+    for seq in range(1, 41):
+        now += float(rng.exponential(0.05))
+        job = Job(seq, f"q{seq}", int(rng.integers(1, 2000)), int(rng.integers(1, 300)), 0, now)
+        jobs[seq] = job
+        finished += backend.add(job, now)
+    while (t := backend.next_event_s()) is not None:
+        finished += backend.advance(t)
+    assert sorted(f.seq for f in finished) == sorted(jobs)
+    for f in finished:
+        assert not f.error and f.output_tokens == jobs[f.seq].max_tokens
+        assert jobs[f.seq].arrival_s <= f.first_token_s <= f.finish_s
+    load = backend.load()
+    assert load.num_waiting == 0 and load.num_running == 0

@@ -1,0 +1,146 @@
+"""The embedded nats-server, JetStream setup and the deploy/ permissions, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+from nats.js.api import StorageType
+
+from oserve.streams.jetstream import ensure_streams, stream_configs
+from oserve.streams.server import NatsServer, NatsServerError, find_nats_server
+from oserve.streams.subjects import Subjects
+from oserve.streams.testing import running_server, unique_subjects
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running_server()
+
+
+def test_launcher_finds_binary_and_parses_port(server: NatsServer) -> None:
+    assert Path(find_nats_server()).name.startswith("nats-server")
+    assert server.port and server.port > 0
+    assert "Server is ready" in server.log_tail(400)
+
+
+def test_launcher_reports_a_bad_binary() -> None:
+    with pytest.raises((NatsServerError, OSError)):
+        NatsServer(binary="/bin/false", ready_timeout_s=2).start()
+
+
+def test_stop_is_idempotent() -> None:
+    srv = NatsServer().start()
+    srv.stop()
+    srv.stop()
+
+
+def test_streams_and_bucket_setup_is_idempotent(server: NatsServer) -> None:
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        kv1 = await ensure_streams(js, subjects)
+        await kv1.put(Subjects.STRATEGY_KEY, b'{"strategy_id": "s0"}')
+        kv2 = await ensure_streams(js, subjects)  # second call: same streams, same bucket, data kept
+        assert (await kv2.get(Subjects.STRATEGY_KEY)).value == b'{"strategy_id": "s0"}'
+        for cfg in stream_configs(subjects):
+            info = await js.stream_info(cfg.name)
+            assert info.config.storage == StorageType.FILE
+        ack = await js.publish(subjects.completions(), b"{}", headers={"Nats-Msg-Id": "x1"})
+        dup = await js.publish(subjects.completions(), b"{}", headers={"Nats-Msg-Id": "x1"})
+        assert dup.duplicate and dup.seq == ack.seq
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_jetstream_state_survives_a_server_restart() -> None:
+    subjects = unique_subjects()
+    srv = NatsServer().start()
+    try:
+        async def write() -> None:
+            nc = await nats.connect(srv.url)
+            kv = await ensure_streams(nc.jetstream(), subjects)
+            await kv.put(Subjects.STRATEGY_KEY, b"v1")
+            await nc.jetstream().publish(subjects.arrivals(), b"{}")
+            await nc.close()
+
+        async def read() -> None:
+            nc = await nats.connect(srv.url)
+            js = nc.jetstream()
+            assert (await (await js.key_value(subjects.strategy_bucket())).get(Subjects.STRATEGY_KEY)).value == b"v1"
+            assert (await js.stream_info(subjects.stream_arrivals())).state.messages == 1
+            await nc.close()
+
+        asyncio.run(asyncio.wait_for(write(), 20))
+        srv.restart()
+        asyncio.run(asyncio.wait_for(read(), 20))
+    finally:
+        srv.stop()
+
+
+def test_deploy_permissions_let_clients_submit_and_read_only_their_replies() -> None:
+    subjects = Subjects("oserve")  # the permissions name the production prefix
+
+    async def main(url: str) -> None:
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        worker = await nats.connect(url, user="worker", password="test-worker")
+        async def answer(msg) -> None:
+            await worker.publish(msg.reply, b"ok")
+
+        echo = await worker.subscribe(subjects.submit(), cb=answer)
+        alice = await nats.connect(url, user="alice", password="test-alice", error_cb=on_error,
+                                   inbox_prefix=f"{subjects.reply_prefix()}.alice")
+        assert (await alice.request(subjects.submit(), b"hi", timeout=5)).data == b"ok"
+        # anything else is refused by the server: publishing a plan, reading another inbox
+        await alice.publish(subjects.plan_event("strategy"), b"forged")
+        await alice.subscribe(f"{subjects.reply_prefix()}.bob.>")
+        await alice.flush()
+        for _ in range(50):
+            if len(errors) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(errors) >= 2 and all("ermissions" in str(e) for e in errors), errors
+        await echo.unsubscribe()
+        await alice.close()
+        await worker.close()
+
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        asyncio.run(asyncio.wait_for(main(srv.url), 20))
+
+
+def test_the_request_path_works_under_the_deploy_permissions() -> None:
+    from oserve.client import OServeClient
+    from oserve.streams.jetstream import ensure_streams
+    from oserve.workers.clock import Clock
+    from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+    from oserve.workers.gateway import Gateway, GatewayConfig
+
+    subjects = Subjects("oserve")
+
+    async def main(url: str) -> None:
+        worker = await nats.connect(url, user="worker", password="test-worker")
+        await ensure_streams(worker.jetstream(), subjects)
+        clock = Clock(speedup=50)
+        async with EngineWorker(worker, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05),
+                                clock), Gateway(worker, GatewayConfig(subjects=subjects), clock) as gw:
+            await gw.wait_for_replicas(1, 5)
+            client = await OServeClient.connect(url, subjects=subjects, user="alice", password="test-alice")
+            reply = await client.submit(prompt="hello there", max_tokens=5, timeout_s=5)
+            assert reply.output_tokens == 5 and reply.replica_id == "r0"
+            await client.close()
+        await worker.close()
+
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        asyncio.run(asyncio.wait_for(main(srv.url), 20))

@@ -1,0 +1,202 @@
+"""The control plane live: a trace whose type mix shifts, replayed end to end, causes a switch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import nats
+import numpy as np
+import pytest
+
+from oserve.client import OServeClient
+from oserve.streams.jetstream import ensure_streams
+from oserve.streams.schemas import Completed, ReplicaSpec, StrategyChosen, decode, encode
+from oserve.streams.subjects import Subjects
+from oserve.streams.testing import running_server, unique_subjects
+from oserve.workers.clock import Clock
+from oserve.workers.control import SchedulerConfig, SchedulerWorker, SwitchPlannerConfig, SwitchPlannerWorker
+from oserve.workers.system import LiveSystem, SystemConfig, planning_inputs, replay
+from oserve.workload import Request, Trace, load_trace
+
+SPAN_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running_server()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    # types from the real trace; a 70B model on 8 GPUs so the mix decides the deployment
+    config = SystemConfig(model="llama2-70b", gpus=8, span_s=SPAN_S, engine_start_s=0.5)
+    return planning_inputs(config, load_trace("azure-conv"), initial_rps=np.array([0.0, 30.0, 0.0, 0.0]))
+
+
+def shifting_trace(seed: int = 0) -> Trace:
+    """Two spans of short chat (30 req/s), then four of long prompts with short answers (7.8 req/s).
+
+    7.8 req/s of long prompts is more than the chat-shaped deployment serves (about 6.4 req/s of that
+    type, by the capacity table) and less than the best deployment for them (about 8.3 req/s).
+    """
+    rng = np.random.default_rng(seed)
+    reqs, t, i = [], 0.0, 0
+    while t < 6 * SPAN_S:
+        long_phase = t >= 2 * SPAN_S
+        t += rng.exponential(1 / (7.8 if long_phase else 30.0))
+        inp, out = (2846, 81) if long_phase else (165, 169)
+        reqs.append(Request(f"x{i}", t, int(inp * rng.uniform(0.8, 1.2)), int(out * rng.uniform(0.8, 1.2))))
+        i += 1
+    return Trace.from_requests(reqs[:-1], name="shift")
+
+
+def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> None:
+    subjects = unique_subjects()
+    config = SystemConfig(subjects=subjects, model="llama2-70b", gpus=8, span_s=SPAN_S, speedup=10.0,
+                          engine_start_s=0.5, heartbeat_interval_wall_s=0.1)
+    trace = shifting_trace()
+
+    async def main() -> dict:
+        nc = await nats.connect(server.url)
+        plan_events: list[tuple[str, str, str]] = []  # (kind, tag, strategy or span)
+        completed: Counter[str] = Counter()
+
+        async def on_plan(msg) -> None:
+            body = msg.data.decode()
+            kind = msg.subject.rsplit(".", 1)[1]
+            tag = body.split('"type":"', 1)[1].split('"', 1)[0]
+            key = body.split('"strategy_id":"', 1)[1].split('"', 1)[0] if '"strategy_id"' in body else \
+                "span" + body.split('"span_index":', 1)[1].split(",", 1)[0]
+            plan_events.append((kind, tag, key))
+
+        async def on_completed(msg) -> None:
+            ev = decode(msg.data, Completed)
+            for c in ev.items:
+                completed[c.request_id] += 1
+
+        await nc.subscribe(subjects.plan_events(), cb=on_plan)
+        await nc.subscribe(subjects.completions(), cb=on_completed)
+        async with LiveSystem(nc, config, inputs) as system:
+            await system.wait_serving(20)
+            result = await replay(OServeClient(nc, subjects), trace, config.speedup, timeout_s=30)
+            result["strategies"] = [(s.strategy_id, s.label, [round(x, 1) for x in s.forecast_rps],
+                                     [(r.tp, r.pp) for r in s.replicas]) for s in system.scheduler.strategies]
+        await nc.flush()
+        await nc.close()
+        result["plan_events"] = plan_events
+        result["completed"] = completed
+        return result
+
+    r = asyncio.run(asyncio.wait_for(main(), 55))
+    print({k: v for k, v in r.items() if k not in ("plan_events", "completed")})
+    assert r["requests"] == len(trace) and r["answered"] == len(trace), r
+    assert r["lost"] == 0 and r["errors"] == 0
+    assert r["switches"] >= 1, (r["switch_events"], r["strategies"])
+    assert len(r["completed"]) == len(trace) and set(r["completed"].values()) == {1}  # exactly once
+    events = r["plan_events"]
+    kinds = [k for k, _, _ in events]
+    assert "forecast" in kinds and "strategy" in kinds
+    # for each strategy: strategy -> switch planned -> (assignment) -> switch completed, in that order
+    for kind, tag, key in events:
+        if kind == "strategy":
+            order = [t for _, t, k in events if k == key and t != "replica_ready.v1" and t != "replica_drained.v1"]
+            assert order[0] == "strategy.v1" and order[1] == "switch_planned.v1", order
+            assert order[-1] == "switch_completed.v1" and "assignment.v1" in order, order
+    # the forecast of span k comes before the strategy s{k+1} it produced
+    for i, (kind, _, key) in enumerate(events):
+        if kind == "strategy" and key != "s0":
+            span = int(key[1:]) - 1
+            assert any(k == "forecast" and v == f"span{span}" for k, _, v in events[:i])
+
+
+def test_switch_rolls_back_when_new_replicas_never_come_up(server) -> None:
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        sp = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=subjects, ready_slack_wall_s=0.3), Clock())
+        async with sp:
+            s = StrategyChosen(strategy_id="s9", span_index=9,
+                               replicas=[ReplicaSpec(replica_id="ghost", tp=1, pp=1, gpu_ids=[0])],
+                               weights=[{"ghost": 1.0}], switch_s=0.1, forecast_rps=[1.0])
+            assert await sp.switch(s) is False
+            assert sp.events == ["switch_planned.v1", "switch_rolled_back.v1"]
+            assert sp.current == {} and sp.strategy_id == ""
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_scheduler_resumes_from_the_kv_bucket(server, inputs) -> None:
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        kv = await ensure_streams(nc.jetstream(), subjects)
+        first = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), inputs.ctx)
+        async with first:
+            assert [s.strategy_id for s in first.strategies] == ["s0"]
+        again = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), inputs.ctx)
+        async with again:  # a restart: no new initial strategy, the stored one is current
+            assert [s.strategy_id for s in again.strategies] == ["s0"]
+            assert again.current.deployment == first.current.deployment
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_restarted_forecaster_rebuilds_its_spans_from_the_arrivals_stream(server) -> None:
+    from oserve.streams.schemas import Arrival, Arrived, ForecastMade
+    from oserve.workers.control import ForecasterConfig, ForecasterStage
+
+    subjects = unique_subjects()
+    per_span = [[3, 0, 1, 0], [0, 5, 0, 0], [1, 1, 1, 1]]
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await ensure_streams(js, subjects)
+        for span, counts in enumerate(per_span):  # what an earlier run's gateway published
+            items = [Arrival(request_id=f"a{span}-{j}-{n}", at_s=span * SPAN_S + 1.0 + n, input_tokens=10,
+                             est_output_tokens=10, type_index=j, replica_id="r0")
+                     for j, c in enumerate(counts) for n in range(c)]
+            await js.publish(subjects.arrivals(), encode(Arrived(gateway_id="g", items=items)))
+        clock = Clock(start_s=3 * SPAN_S + 0.5)  # the restart happens in span 3
+        stage = ForecasterStage(nc, ForecasterConfig(subjects=subjects, span_s=SPAN_S), clock, js=js)
+        async with stage:
+            await asyncio.wait_for(_until(lambda: stage.num_open_arrivals == 13), 5)
+            ev = await stage.emit(3)
+        assert isinstance(ev, ForecastMade) and ev.span_index == 3 and ev.observed_counts == [0, 0, 0, 0]
+        assert [list(map(int, h)) for h in stage.history] == per_span + [[0, 0, 0, 0]]
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+def test_a_restarted_gateway_follows_the_assignment_in_force(server) -> None:
+    from oserve.streams.schemas import AssignmentSet
+    from oserve.workers.gateway import Gateway, GatewayConfig
+
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        kv = await ensure_streams(nc.jetstream(), subjects)
+        sp = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=subjects), Clock(), kv=kv)
+        async with sp:
+            s = StrategyChosen(strategy_id="s4", span_index=4, replicas=[], weights=[{"r1": 1.0}], switch_s=0.0,
+                               forecast_rps=[1.0])
+            assert await sp.switch(s) is True  # nothing to start: the router flips at once
+        async with Gateway(nc, GatewayConfig(subjects=subjects), Clock(), kv=kv) as gw:
+            assert gw.strategy_id == "s4"
+        stored = decode((await kv.get(Subjects.ASSIGNMENT_KEY)).value, AssignmentSet)
+        assert stored.weights == [{"r1": 1.0}]
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))

@@ -1,0 +1,162 @@
+"""One trace per request: client -> gateway -> engine, carried as W3C traceparent in NATS headers."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import nats
+import pytest
+from opentelemetry.trace import SpanKind
+
+from oserve.client import OServeClient, RequestRejected
+from oserve.observability.tracing import TracingConfig, extract, inject, setup_tracing, trace_headers
+from oserve.streams.testing import running_server, unique_subjects
+from oserve.workers.clock import Clock
+from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+from oserve.workers.gateway import Gateway, GatewayConfig
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running_server()
+
+
+def test_inject_copies_headers_and_round_trips() -> None:
+    setup = setup_tracing(TracingConfig(exporter="memory"))
+    span = setup.tracer.start_span("x")
+    original = {"Nats-Msg-Id": "m1"}
+    out = inject(span, original)
+    assert original == {"Nats-Msg-Id": "m1"} and out is not original and "traceparent" in out
+    ctx = extract(out)
+    from opentelemetry import trace
+    assert trace.get_current_span(ctx).get_span_context().span_id == span.get_span_context().span_id
+    assert trace_headers(out) == {"traceparent": out["traceparent"]}
+    assert extract({}) is None and trace_headers(None) is None
+    span.end()
+    setup.shutdown()
+
+
+def test_exporter_is_chosen_by_config() -> None:
+    assert setup_tracing(TracingConfig()).tracer is None
+    otlp = setup_tracing(TracingConfig(exporter="otlp", otlp_endpoint="http://127.0.0.1:9/v1/traces"))
+    assert type(otlp.exporter).__name__ == "OTLPSpanExporter"
+    with pytest.raises(ValueError):
+        TracingConfig(exporter="jaeger-thrift")  # type: ignore[arg-type]
+
+
+def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
+    setup = setup_tracing(TracingConfig(exporter="memory"))
+    tracer = setup.tracer
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            subjects = unique_subjects()
+            nc = await nats.connect(server.url)
+            stack.push_async_callback(nc.close)
+            clock = Clock(speedup=50)
+            await stack.enter_async_context(EngineWorker(
+                nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer))
+            gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock, tracer=tracer))
+            await gw.wait_for_replicas(1, 5)
+            client = OServeClient(nc, subjects, tracer=tracer)
+            for i in range(3):
+                await client.submit(input_tokens=100, max_tokens=10, request_id=f"t{i}", timeout_s=5)
+            with pytest.raises(RequestRejected):
+                await client.submit_raw(b"{oops", "bad", timeout_s=5)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    spans = setup.exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    clients = [s for s in spans if s.name == "client.submit" and s.attributes["oserve.request_id"].startswith("t")]
+    assert len(clients) == 3
+    for c in clients:
+        assert c.kind == SpanKind.CLIENT and c.parent is None
+        trace_spans = [s for s in spans if s.context.trace_id == c.context.trace_id]
+        assert sorted(s.name for s in trace_spans) == ["client.submit", "engine.serve", "gateway.route"]
+        gw = next(s for s in trace_spans if s.name == "gateway.route")
+        eng = next(s for s in trace_spans if s.name == "engine.serve")
+        assert gw.parent.span_id == c.context.span_id and gw.parent.is_remote
+        assert eng.parent.span_id == gw.context.span_id and by_id[eng.parent.span_id] is gw
+        assert eng.attributes["oserve.request_id"] == c.attributes["oserve.request_id"]
+        assert c.start_time <= gw.start_time <= eng.start_time <= eng.end_time <= c.end_time
+    # a refused request is one trace too, its gateway span marked as an error with an event
+    bad = next(s for s in spans if s.name == "client.submit" and s.attributes["oserve.request_id"] == "bad")
+    bad_gw = next(s for s in spans if s.name == "gateway.route" and s.context.trace_id == bad.context.trace_id)
+    assert not bad_gw.status.is_ok and bad_gw.events[0].name == "invalid_request"
+    setup.shutdown()
+
+
+def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -> None:
+    import numpy as np
+
+    from oserve.streams.jetstream import ensure_streams
+    from oserve.workers.control import (EngineHost, EngineHostConfig, ForecasterConfig, ForecasterStage,
+                                       SchedulerConfig, SchedulerWorker, SwitchPlannerConfig, SwitchPlannerWorker)
+    from oserve.workers.system import SystemConfig, planning_inputs
+    from oserve.workload import load_trace
+
+    setup = setup_tracing(TracingConfig(exporter="memory"))
+    tracer = setup.tracer
+    inputs = planning_inputs(SystemConfig(span_s=60.0), load_trace("azure-conv"), initial_rps=np.ones(4))
+
+    async def main() -> None:
+        subjects = unique_subjects()
+        nc = await nats.connect(server.url)
+        kv = await ensure_streams(nc.jetstream(), subjects)
+        clock = Clock(speedup=100)
+        host = EngineHost(nc, EngineHostConfig(subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer)
+        switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=subjects), clock, tracer=tracer)
+        forecaster = ForecasterStage(nc, ForecasterConfig(subjects=subjects, span_s=3600.0), clock, tracer=tracer)
+        scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects), clock, inputs.ctx, tracer=tracer)
+        async with host, switcher, forecaster, scheduler:
+            async def switched_to(strategy_id: str) -> None:
+                while switcher.strategy_id != strategy_id:
+                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(switched_to("s0"), 10)
+            for j, n in enumerate((300, 10, 10, 10)):
+                forecaster.observe(j, 1.0, n)
+            await forecaster.emit(0)
+            await asyncio.wait_for(switched_to("s1"), 10)
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    spans = setup.exporter.get_finished_spans()
+    forecast = next(s for s in spans if s.name == "forecast.made")
+    same = [s for s in spans if s.context.trace_id == forecast.context.trace_id]
+    decide = next(s for s in same if s.name == "scheduler.decide")
+    switch = next(s for s in same if s.name == "switch.execute")
+    assert forecast.parent is None
+    assert decide.parent.span_id == forecast.context.span_id
+    assert switch.parent.span_id == decide.context.span_id
+    assert switch.attributes["oserve.strategy_id"] == "s1"
+    setup.shutdown()
+
+
+def test_live_view_folds_telemetry_and_plan_events() -> None:
+    from rich.console import Console
+
+    from oserve.observability.live_view import LiveView
+    from oserve.streams.schemas import (ForecastMade, ReplicaSpec, StrategyChosen, SwitchCompleted, SwitchPlanned,
+                                        Telemetry, encode)
+    from oserve.streams.subjects import Subjects
+
+    s = Subjects("v")
+    view = LiveView(s)
+    view.apply(s.telemetry("r0"), encode(Telemetry(source_id="r0", at_s=5.0, window_s=5.0, num_requests=10,
+                                                   requests_per_s=2.0, p50_e2e_s=1.0, p99_e2e_s=3.0)))
+    view.apply(s.plan_event("forecast"), encode(ForecastMade(span_index=0, span_start_s=0.0, span_s=60.0,
+                                                             observed_counts=[5, 1], forecast_rps=[0.1, 0.02])))
+    view.apply(s.plan_event("strategy"), encode(StrategyChosen(
+        strategy_id="s1", span_index=1, replicas=[ReplicaSpec(replica_id="r0", tp=2, pp=1, gpu_ids=[0, 1])],
+        weights=[{"r0": 1.0}], switch_s=0.0, forecast_rps=[0.1, 0.02], label="switch")))
+    view.apply(s.plan_event("switch"), encode(SwitchPlanned(strategy_id="s1", start_ids=["r0"], retire_ids=[],
+                                                            switch_s=1.0)))
+    view.apply(s.plan_event("switch"), encode(SwitchCompleted(strategy_id="s1", switch_wall_s=0.1)))
+    view.apply(s.plan_event("switch"), b"{garbage")
+    assert view.replicas["r0"].requests_per_s == 2.0 and view.serving_strategy_id == "s1"
+    assert view.num_ignored == 1 and len(view.switch_log) == 1
+    console = Console(record=True, width=160)
+    console.print(view.render())
+    text = console.export_text()
+    assert "r0=TP2xPP1" in text and "serving: s1" in text

@@ -1,0 +1,94 @@
+"""Lifecycle shared by every worker: start / drain / stop, background loops in one owned TaskGroup."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Base class: subclasses implement `_subscribe()`, `_loops()` and optionally `_drain()`.
+
+    `start()` subscribes and launches the loops inside a TaskGroup owned by one runner task;
+    `drain()` finishes in-flight work; `stop()` cancels the loops and unsubscribes (no waiting for
+    in-flight work: a stopped worker is as good as a dead one). All three are idempotent.
+    """
+
+    name = "worker"
+
+    def __init__(self) -> None:
+        self._subs: list = []
+        self._runner: asyncio.Task[None] | None = None
+        self._state = "new"  # new -> started -> draining -> stopped
+
+    @property
+    def running(self) -> bool:
+        return self._state in ("started", "draining")
+
+    async def _subscribe(self) -> list:
+        return []
+
+    def _loops(self) -> list[Callable[[], Awaitable[None]]]:
+        return []
+
+    async def _drain(self) -> None:
+        return None
+
+    async def _on_stop(self) -> None:
+        return None
+
+    async def start(self) -> None:
+        if self._state != "new":
+            return
+        self._state = "started"
+        self._subs = await self._subscribe()
+        loops = self._loops()
+        if loops:
+            self._runner = asyncio.create_task(self._run_loops(loops), name=f"{self.name}-loops")
+
+    async def _run_loops(self, loops: list[Callable[[], Awaitable[None]]]) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for loop in loops:
+                    tg.create_task(loop())
+        except* Exception as group:  # a loop died: log it; the worker keeps its subscriptions
+            for exc in group.exceptions:
+                log.error("%s: background loop failed", self.name, exc_info=exc)
+
+    async def drain(self) -> None:
+        if self._state != "started":
+            return
+        self._state = "draining"
+        await self._drain()
+
+    async def stop(self) -> None:
+        if self._state == "stopped":
+            return
+        self._state = "stopped"
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            runner.cancel()
+            try:
+                await runner
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():  # we are being cancelled ourselves: pass it on
+                    raise
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed: nothing left to unsubscribe
+                log.debug("%s: unsubscribe failed", self.name, exc_info=True)
+        self._subs = []
+        await self._on_stop()
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.drain()
+        await self.stop()

@@ -1,0 +1,279 @@
+"""Engine worker: owns one replica, serves `Dispatch`es from the gateway and replies to the client.
+
+- Requests arrive on `Subjects.replica(replica_id)` with the client's inbox as reply subject; the
+  worker answers there directly (the gateway is not on the reply path).
+- Exactly once: requests are de-duplicated by request id and served once. A duplicate of one still
+  in flight is not served again: to the same inbox it is dropped, to a new inbox (a client's retry)
+  the one answer is sent there too; a duplicate of one already answered gets the stored reply
+  (the last `dedupe_capacity` answers are kept).
+- Completions are published in batches (`Completed`, ids and numbers, every `completion_flush_wall_s`)
+  on the completions subject, which a JetStream stream captures; the gateway uses them to forget what
+  it forwarded, the forecaster to learn true output lengths.
+- Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`; load and latency as `Telemetry` every
+  `telemetry_interval_s` of clock time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry.trace import Span, SpanKind, Tracer
+
+from oserve.observability.tracing import extract, inject, trace_headers
+from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Completed, Completion, Dispatch, ErrorCode, ErrorReply,
+                                    Heartbeat, Reply, SchemaError, Telemetry, decode, encode)
+from oserve.streams.subjects import Subjects
+from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
+from oserve.workers.base import Worker
+from oserve.workers.clock import Clock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineWorkerConfig:
+    """One engine worker."""
+
+    replica_id: str
+    """This replica's id; one subject token."""
+    subjects: Subjects = field(default_factory=Subjects)
+    backend: Literal["sim", "echo"] = "sim"
+    """`sim`: SimReplica timed by the performance model on the clock; `echo`: answers at once."""
+    sim: SimBackendConfig = field(default_factory=SimBackendConfig)
+    heartbeat_interval_wall_s: float = 0.5
+    completion_flush_wall_s: float = 0.02
+    """Completions are batched for at most this long (wall seconds) before they are published."""
+    telemetry_interval_s: float = 5.0
+    """Clock seconds between telemetry messages."""
+    dedupe_capacity: int = 100_000
+    """Answered request ids remembered (with their replies) for de-duplication."""
+    drain_timeout_wall_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.subjects.replica(self.replica_id)  # validates the id as a subject token
+        if self.backend not in ("sim", "echo"):
+            raise ValueError(f"EngineWorkerConfig.backend must be sim or echo, got {self.backend!r}")
+        for name in ("heartbeat_interval_wall_s", "completion_flush_wall_s", "telemetry_interval_s",
+                     "drain_timeout_wall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.dedupe_capacity < 1:
+            raise ValueError(f"EngineWorkerConfig.dedupe_capacity must be >= 1, got {self.dedupe_capacity}")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    job: Job
+    reply: str
+    span: Span | None
+    headers: dict[str, str] | None
+    also_reply: list[str] = field(default_factory=list)
+    """Other reply subjects that asked for the same request while it ran (a client's retry)."""
+
+
+class EngineWorker(Worker):
+    """One replica on the bus (see the module docstring)."""
+
+    name = "engine"
+
+    def __init__(self, nc: NATS, config: EngineWorkerConfig, clock: Clock, *, tracer: Tracer | None = None,
+                 backend: Backend | None = None) -> None:
+        super().__init__()
+        self.nc, self.config, self.clock, self.tracer = nc, config, clock, tracer
+        if backend is None:
+            backend = SimBackend(config.replica_id, config.sim) if config.backend == "sim" else EchoBackend()
+        self.backend = backend
+        self._seq = 0
+        self._inflight: dict[int, _InFlight] = {}  # seq -> request being served
+        self._by_id: dict[str, int] = {}  # request_id -> seq, while in flight
+        self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # request_id -> reply
+        self._completions: list[Completion] = []
+        self._wake = asyncio.Event()
+        self._waiting_for_s: float | None = None  # the backend event time the step loop sleeps towards
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        # counters
+        self.num_received = 0
+        self.num_answered = 0
+        self.num_duplicates = 0
+        self.num_errors = 0
+        self._window_e2e: list[float] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def _subscribe(self) -> list:
+        return [await self.nc.subscribe(self.config.subjects.replica(self.config.replica_id), cb=self._on_dispatch)]
+
+    def _loops(self):
+        return [self._step_loop, self._flush_loop, self._heartbeat_loop, self._telemetry_loop]
+
+    async def _drain(self) -> None:
+        self._accepting = False
+        await self._send_heartbeat()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_wall_s)
+        except TimeoutError:
+            log.warning("%s: drain timed out with %d requests in flight", self.config.replica_id, len(self._inflight))
+        await self._flush_completions()
+
+    async def _on_stop(self) -> None:
+        for item in self._inflight.values():
+            if item.span is not None:
+                item.span.set_attribute("oserve.abandoned", True)
+                item.span.end()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    # --- the request path --------------------------------------------------------------------------
+
+    async def _on_dispatch(self, msg: Msg) -> None:
+        try:
+            await self._handle(msg)
+        except Exception:  # the outermost handler: log and keep serving
+            self.num_errors += 1
+            log.exception("%s: dispatch handler failed", self.config.replica_id)
+
+    async def _handle(self, msg: Msg) -> None:
+        self.num_received += 1
+        try:
+            d = decode(msg.data, Dispatch)
+        except SchemaError as exc:
+            self.num_errors += 1
+            if msg.reply:
+                await self.nc.publish(msg.reply, encode(ErrorReply(code=exc.code, message=exc.message)))
+            return
+        assert isinstance(d, Dispatch)
+        cached = self._answered.get(d.request_id)
+        if cached is not None or d.request_id in self._by_id:
+            self.num_duplicates += 1
+            if cached is not None and msg.reply:
+                await self.nc.publish(msg.reply, cached)
+            elif msg.reply:
+                item = self._inflight[self._by_id[d.request_id]]
+                if msg.reply != item.reply and msg.reply not in item.also_reply:
+                    item.also_reply.append(msg.reply)  # a retry from a new inbox: answer it too, once
+            return
+        now_s = self.clock.now_s()
+        self._seq += 1
+        job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s)
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("engine.serve", context=extract(msg.headers), kind=SpanKind.CONSUMER,
+                                          attributes={"oserve.request_id": d.request_id,
+                                                      "oserve.replica_id": self.config.replica_id,
+                                                      "oserve.attempt": d.attempt,
+                                                      "oserve.input_tokens": d.input_tokens})
+        self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers))
+        self._by_id[d.request_id] = job.seq
+        self._idle.clear()
+        done = self.backend.add(job, now_s)
+        if done:
+            await self._finish(done)
+        if self.backend.next_event_s() != self._waiting_for_s:
+            self._wake.set()  # the step loop sleeps towards a stale time
+
+    async def _finish(self, done: list[Finished]) -> None:
+        for f in done:
+            item = self._inflight.pop(f.seq, None)
+            if item is None:
+                continue
+            job = item.job
+            del self._by_id[job.request_id]
+            if f.error:
+                payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.INVALID, message=f.error))
+            else:
+                ttft_s, e2e_s = f.first_token_s - job.arrival_s, f.finish_s - job.arrival_s
+                payload = encode(Reply(request_id=job.request_id, replica_id=self.config.replica_id,
+                                       input_tokens=job.input_tokens, output_tokens=f.output_tokens,
+                                       type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s))
+                self._completions.append(Completion(
+                    request_id=job.request_id, replica_id=self.config.replica_id, input_tokens=job.input_tokens,
+                    output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
+                    finished_at_s=f.finish_s))
+                self._window_e2e.append(e2e_s)
+            self._answered[job.request_id] = payload
+            if len(self._answered) > self.config.dedupe_capacity:
+                self._answered.popitem(last=False)
+            if item.reply:
+                headers = inject(item.span) if item.span is not None else item.headers
+                await self.nc.publish(item.reply, payload, headers=headers)
+            for reply in item.also_reply:
+                await self.nc.publish(reply, payload)
+            if item.span is not None:
+                item.span.set_attribute("oserve.output_tokens", f.output_tokens)
+                item.span.end()
+            self.num_answered += 1
+        if not self._inflight:
+            self._idle.set()
+
+    # --- background loops ------------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        """Advance the backend at each of its step ends, computed from the clock (no polling)."""
+        while True:
+            self._wake.clear()
+            next_s = self._waiting_for_s = self.backend.next_event_s()
+            if next_s is None:
+                await self._wake.wait()
+                continue
+            wait_s = self.clock.wall_seconds_until(next_s)
+            if wait_s > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), wait_s)
+                    continue  # an arrival changed the schedule
+                except TimeoutError:
+                    pass
+            done = self.backend.advance(self.clock.now_s())
+            if done:
+                await self._finish(done)
+
+    async def _flush_completions(self) -> None:
+        items, self._completions = self._completions, []
+        for i in range(0, len(items), EVENT_BATCH_ITEMS):
+            await self.nc.publish(self.config.subjects.completions(), encode(Completed(
+                replica_id=self.config.replica_id, items=items[i:i + EVENT_BATCH_ITEMS])))
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.completion_flush_wall_s)
+            await self._flush_completions()
+
+    async def _send_heartbeat(self) -> None:
+        load = self.backend.load()
+        await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
+            replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,
+            num_running=load.num_running, accepting=self._accepting)))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self._send_heartbeat()
+            await asyncio.sleep(self.config.heartbeat_interval_wall_s)
+
+    async def _telemetry_loop(self) -> None:
+        window_s = self.config.telemetry_interval_s
+        while True:
+            await self.clock.sleep(window_s)
+            e2e, self._window_e2e = sorted(self._window_e2e), []
+            load = self.backend.load()
+            await self.nc.publish(self.config.subjects.telemetry(self.config.replica_id), encode(Telemetry(
+                source_id=self.config.replica_id, at_s=self.clock.now_s(), window_s=window_s,
+                num_requests=len(e2e), num_errors=self.num_errors, requests_per_s=len(e2e) / window_s,
+                p50_e2e_s=_quantile(e2e, 0.5), p99_e2e_s=_quantile(e2e, 0.99), num_waiting=load.num_waiting,
+                num_running=load.num_running, kv_load_frac=load.kv_load_frac)))
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+

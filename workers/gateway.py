@@ -1,0 +1,347 @@
+"""Gateway/router worker: validates client requests, classifies, routes, and owns them until answered.
+
+- A queue group (`GatewayConfig.queue_group`) on the submit subject shares the load among gateways.
+- Validation at the edge (`decode_submit`): any bad input gets a structured `ErrorReply`, never a crash
+  or a silence.
+- Classification with the input length and an output estimate (hint, else max tokens, else the
+  types' mean); routing by the current assignment with smooth weighted round robin over the live,
+  accepting replicas (uniform over them until an assignment arrives).
+- The dispatch goes to the replica's subject with the client's inbox as reply subject: the engine
+  answers the client directly.
+- Nothing lost: every forwarded request stays in `pending` until a `Completed` event names it; a
+  replica that misses heartbeats for `heartbeat_timeout_wall_s` is declared dead and its unanswered
+  requests are re-dispatched (engines de-duplicate by request id).
+- Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+
+from oserve.observability.tracing import extract, inject, trace_headers
+from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
+                                    ErrorCode, ErrorReply, Heartbeat, Ping, Pong, SchemaError, decode, decode_submit,
+                                    encode)
+from oserve.streams.subjects import Subjects
+from oserve.workers.base import Worker
+from oserve.workers.clock import Clock
+from oserve.workers.router import Classifier, SmoothWRR
+from oserve.workload import WorkloadTypes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """One gateway/router worker."""
+
+    gateway_id: str = "gateway-0"
+    subjects: Subjects = field(default_factory=Subjects)
+    queue_group: str = "gateway"
+    """Queue group on the submit subject; gateways in one group share the requests."""
+    default_max_tokens: int = 256
+    """Tokens to generate when a request gives no max_tokens."""
+    max_context_tokens: int = 32768
+    """Input plus max tokens allowed for one request."""
+    heartbeat_timeout_wall_s: float = 2.0
+    """A replica silent for this long (wall seconds) is dead; its requests are re-dispatched."""
+    liveness_check_wall_s: float = 0.25
+    arrival_flush_wall_s: float = 0.05
+    """Accepted requests are batched into one `Arrived` event for at most this long."""
+    max_attempts: int = 3
+    """Dispatches of one request before it is answered with an error."""
+    max_pending: int = 200_000
+    """Requests this gateway owns at once (forwarded, not yet completed); beyond it new ones are refused."""
+
+    def __post_init__(self) -> None:
+        for name in ("default_max_tokens", "max_context_tokens", "max_attempts", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class _Replica:
+    last_seen_wall_s: float
+    accepting: bool = True
+    alive: bool = True
+
+
+@dataclass(slots=True)
+class _Pending:
+    dispatch: Dispatch
+    reply: str
+    headers: dict[str, str] | None
+    replica_id: str | None  # None: waiting for a live replica
+
+
+class Gateway(Worker):
+    """The gateway/router (see the module docstring)."""
+
+    name = "gateway"
+
+    def __init__(self, nc: NATS, config: GatewayConfig, clock: Clock, *, types: WorkloadTypes | None = None,
+                 tracer: Tracer | None = None, kv: KeyValue | None = None) -> None:
+        super().__init__()
+        self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
+        self.classifier = Classifier(types)
+        self._wrr = SmoothWRR()
+        self._replicas: dict[str, _Replica] = {}
+        self._eligible: list[str] = []
+        self._weights: list[dict[str, float]] | None = None  # type index -> replica_id -> weight
+        self._uniform: dict[str, float] = {}
+        self.pending: dict[str, _Pending] = {}  # request_id -> what was forwarded and where
+        self._arrivals: list[Arrival] = []
+        self._replicas_changed = asyncio.Event()
+        self.strategy_id = ""
+        # counters
+        self.num_accepted = 0
+        self.num_rejected = 0
+        self.num_redispatched = 0
+        self.num_failed = 0
+        self.num_errors = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def _subscribe(self) -> list:
+        s = self.config.subjects
+        if self.kv is not None:  # a (re)started router follows the assignment in force
+            try:
+                self._set_assignment((await self.kv.get(Subjects.ASSIGNMENT_KEY)).value or b"")
+            except KeyNotFoundError:
+                pass
+        return [
+            await self.nc.subscribe(s.heartbeats(), cb=self._on_heartbeat),
+            await self.nc.subscribe(s.completions(), cb=self._on_completed),
+            await self.nc.subscribe(s.plan_event("assignment"), cb=self._on_assignment),
+            await self.nc.subscribe(s.submit(), queue=self.config.queue_group, cb=self._on_submit),
+        ]
+
+    def _loops(self):
+        return [self._liveness_loop, self._arrivals_loop]
+
+    async def _drain(self) -> None:
+        # stop taking requests; what was forwarded is the engines' to answer
+        if self._subs:
+            await self._subs[-1].unsubscribe()
+            self._subs.pop()
+        await self._flush_arrivals()
+
+    @property
+    def live_replicas(self) -> list[str]:
+        return list(self._eligible)
+
+    async def wait_for_replicas(self, num_replicas: int, timeout_s: float) -> None:
+        """Wait until at least `num_replicas` live, accepting replicas are known (raises TimeoutError)."""
+        async def wait() -> None:
+            while len(self._eligible) < num_replicas:
+                self._replicas_changed.clear()
+                await self._replicas_changed.wait()
+        await asyncio.wait_for(wait(), timeout_s)
+
+    # --- membership and assignment -------------------------------------------------------------------
+
+    def _refresh_eligible(self) -> None:
+        self._eligible = sorted(rid for rid, r in self._replicas.items() if r.alive and r.accepting)
+        self._uniform = {rid: 1.0 for rid in self._eligible}
+        self._replicas_changed.set()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb = decode(msg.data, Heartbeat)
+        except SchemaError:
+            self.num_errors += 1
+            return
+        assert isinstance(hb, Heartbeat)
+        now = asyncio.get_running_loop().time()
+        r = self._replicas.get(hb.replica_id)
+        if r is None:
+            self._replicas[hb.replica_id] = _Replica(now, hb.accepting)
+            self._refresh_eligible()
+            await self._retry_unrouted()
+            return
+        r.last_seen_wall_s = now
+        if r.accepting != hb.accepting or not r.alive:
+            r.accepting, r.alive = hb.accepting, True
+            self._refresh_eligible()
+
+    async def _on_assignment(self, msg: Msg) -> None:
+        self._set_assignment(msg.data)
+
+    def _set_assignment(self, data: bytes) -> None:
+        try:
+            a = decode(data, AssignmentSet)
+        except SchemaError:
+            self.num_errors += 1
+            return
+        assert isinstance(a, AssignmentSet)
+        self._weights = [dict(w) for w in a.weights]
+        self.strategy_id = a.strategy_id
+
+    def _route(self, type_index: int) -> str | None:
+        if not self._eligible:
+            return None
+        weights = self._uniform
+        if self._weights is not None and type_index < len(self._weights):
+            w = self._weights[type_index]
+            if any(w.get(rid, 0.0) > 0 for rid in self._eligible):
+                weights = w
+        return self._wrr.pick(type_index, weights, self._eligible)
+
+    # --- the request path --------------------------------------------------------------------------
+
+    async def _on_submit(self, msg: Msg) -> None:
+        try:
+            await self._handle_submit(msg)
+        except Exception as exc:  # the outermost handler: answer, log, keep serving
+            self.num_errors += 1
+            log.exception("%s: submit handler failed", self.config.gateway_id)
+            if msg.reply:
+                await self.nc.publish(msg.reply, encode(ErrorReply(code=ErrorCode.INTERNAL,
+                                                                   message=type(exc).__name__)))
+
+    async def _reject(self, msg: Msg, request_id: str, code: str, message: str) -> None:
+        self.num_rejected += 1
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
+
+    async def _handle_submit(self, msg: Msg) -> None:
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("gateway.route", context=extract(msg.headers), kind=SpanKind.CONSUMER)
+        try:
+            try:
+                req = decode_submit(msg.data)
+            except SchemaError as exc:
+                if span is not None:
+                    span.add_event("invalid_request", {"code": exc.code})
+                    span.set_status(Status(StatusCode.ERROR, exc.code))
+                await self._reject(msg, "", exc.code, exc.message)
+                return
+            if isinstance(req, Ping):
+                if msg.reply:
+                    await self.nc.publish(msg.reply, encode(Pong(gateway_id=self.config.gateway_id,
+                                                                 num_replicas=len(self._eligible))))
+                return
+            cfg = self.config
+            input_tokens = req.prompt_tokens()
+            max_tokens = req.max_tokens or cfg.default_max_tokens
+            if input_tokens + max_tokens > cfg.max_context_tokens:
+                await self._reject(msg, req.request_id, ErrorCode.INVALID,
+                                   f"input ({input_tokens}) plus max tokens ({max_tokens}) exceeds the "
+                                   f"context limit {cfg.max_context_tokens}")
+                return
+            est = self.classifier.estimate_output(req.output_hint_tokens, req.max_tokens)
+            type_index = self.classifier.classify(input_tokens, est)
+            if span is not None:
+                span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,
+                                     "oserve.input_tokens": input_tokens})
+            existing = self.pending.get(req.request_id)
+            if existing is not None:  # a client retry of a request still in flight: same replica, same answer
+                headers = inject(span, existing.headers) if span is not None else existing.headers
+                if existing.replica_id is not None:
+                    await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
+                                          reply=msg.reply, headers=headers)
+                return
+            if len(self.pending) >= cfg.max_pending:
+                await self._reject(msg, req.request_id, ErrorCode.OVERLOADED,
+                                   f"{len(self.pending)} requests in flight at this gateway; retry later")
+                return
+            replica_id = self._route(type_index)
+            if replica_id is None:
+                await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")
+                return
+            d = Dispatch(request_id=req.request_id, input_tokens=input_tokens, max_tokens=max_tokens,
+                         type_index=type_index, gateway_id=cfg.gateway_id)
+            headers = inject(span) if span is not None else trace_headers(msg.headers)
+            self.pending[req.request_id] = _Pending(d, msg.reply, headers, replica_id)
+            self.num_accepted += 1
+            if span is not None:
+                span.set_attribute("oserve.replica_id", replica_id)
+            await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
+                                  headers=dict(headers) if headers else None)
+            self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
+                                          input_tokens=input_tokens, est_output_tokens=est,
+                                          type_index=type_index, replica_id=replica_id))
+        finally:
+            if span is not None:
+                span.end()
+
+    async def _on_completed(self, msg: Msg) -> None:
+        try:
+            c = decode(msg.data, Completed)
+        except SchemaError:
+            self.num_errors += 1
+            return
+        assert isinstance(c, Completed)
+        pending = self.pending
+        for item in c.items:
+            pending.pop(item.request_id, None)
+
+    # --- nothing lost --------------------------------------------------------------------------------
+
+    async def _redispatch(self, rid: str, p: _Pending) -> None:
+        attempt = p.dispatch.attempt + 1
+        if attempt >= self.config.max_attempts:
+            del self.pending[rid]
+            self.num_failed += 1
+            if p.reply:
+                await self.nc.publish(p.reply, encode(ErrorReply(
+                    request_id=rid, code=ErrorCode.NO_REPLICA,
+                    message=f"no replica answered after {attempt} dispatches")))
+            return
+        target = self._route(p.dispatch.type_index)
+        if target is None:
+            p.replica_id = None  # retried when a replica shows up
+            return
+        p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt)
+        p.replica_id = target
+        self.num_redispatched += 1
+        await self.nc.publish(self.config.subjects.replica(target), encode(p.dispatch), reply=p.reply,
+                              headers=dict(p.headers) if p.headers else None)
+
+    async def _retry_unrouted(self) -> None:
+        for rid, p in list(self.pending.items()):
+            if p.replica_id is None:
+                await self._redispatch(rid, p)
+
+    async def _liveness_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.liveness_check_wall_s)
+            now = loop.time()
+            dead = [rid for rid, r in self._replicas.items()
+                    if r.alive and now - r.last_seen_wall_s > self.config.heartbeat_timeout_wall_s]
+            if not dead:
+                continue
+            for rid in dead:
+                self._replicas[rid].alive = False
+                log.warning("%s: replica %s missed heartbeats; re-dispatching its requests",
+                            self.config.gateway_id, rid)
+            self._refresh_eligible()
+            gone = set(dead)
+            for req_id, p in list(self.pending.items()):
+                if p.replica_id in gone or p.replica_id is None:
+                    await self._redispatch(req_id, p)
+
+    async def _flush_arrivals(self) -> None:
+        items, self._arrivals = self._arrivals, []
+        for i in range(0, len(items), EVENT_BATCH_ITEMS):
+            await self.nc.publish(self.config.subjects.arrivals(), encode(Arrived(
+                gateway_id=self.config.gateway_id, items=items[i:i + EVENT_BATCH_ITEMS])))
+
+    async def _arrivals_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.arrival_flush_wall_s)
+            await self._flush_arrivals()
