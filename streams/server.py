@@ -83,7 +83,10 @@ class NatsServer:
         if self._config_file:
             cmd += ["-c", str(self._config_file)]
         cmd += ["-js", "-a", self._host, "-p", str(self._port_arg), "-sd", str(self._store_dir)]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Its own session: a Ctrl-C in the terminal reaches only OServe, which drains its workers
+        # through this server before stopping it (the server would otherwise die first).
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True)
         ready = threading.Event()
 
         def read() -> None:  # keeps draining the pipe so the server never blocks on its log

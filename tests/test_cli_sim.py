@@ -65,3 +65,33 @@ def test_bench_e2e_json(monkeypatch, capsys) -> None:
     assert row["name"] == "S5@16" and row["cv"] > 0.5
     assert set(row["p99"]) == {"oserve", "vllm-static", "vllm-reload", "llumnix", "oracle"}
     assert set(result["mean_speedup_p99"]) == {"vllm-static", "vllm-reload", "llumnix", "oracle"}
+
+
+def test_demo_ctrl_c_drains_and_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C reaches the whole foreground process group, as a terminal sends it: the embedded NATS
+    server must survive it (own session) so the workers can drain through it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "from oserve.cli import main; main()", "demo", "--minutes", "30",
+                             "--no-view", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        seen = ""
+        while "Ctrl-C" not in seen and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            seen += line
+        time.sleep(2.0)  # replaying by now
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "draining" in err and "Traceback" not in err

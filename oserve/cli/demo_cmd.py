@@ -95,6 +95,7 @@ async def _live_run(url: str, config, trace, part, speedup: float, view: bool, c
     """Start every worker, replay with the live view, drain; returns (replay result, recorded events)."""
     import asyncio
     import contextlib
+    import signal
 
     from rich.live import Live
 
@@ -121,6 +122,10 @@ async def _live_run(url: str, config, trace, part, speedup: float, view: bool, c
             await nc.subscribe(subjects.completions(), cb=on_completed)]
     live_view = LiveView(subjects)
     await live_view.attach(nc)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     try:
         async with LiveSystem(nc, config, planning_inputs(config, trace)) as system:
             await system.wait_serving(60)
@@ -129,10 +134,19 @@ async def _live_run(url: str, config, trace, part, speedup: float, view: bool, c
                 with Live(live_view.render(), console=console, refresh_per_second=2) if view \
                         else contextlib.nullcontext() as live:
                     task = asyncio.create_task(replay(client, part, speedup, timeout_s=120.0))
-                    while not task.done():
-                        await asyncio.sleep(0.5)
+                    while not task.done() and not stop.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stop.wait(), 0.5)
                         if live is not None:
                             live.update(live_view.render())
+                    if not task.done():
+                        # Ctrl-C: stop publishing; leaving `async with` drains the workers, so every
+                        # request the gateway accepted is still answered
+                        console.print("oserve demo: interrupted; draining")
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
+                        raise typer.Exit(130)
                     result = task.result()
             finally:
                 await client.close()
