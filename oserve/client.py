@@ -24,6 +24,7 @@ from oserve.errors import OServeError
 from oserve.observability.tracing import inject
 from oserve.streams.schemas import (ErrorReply, Ping, Pong, Reply, SchemaError, SubmitRequest, decode_reply,
                                     encode)
+from oserve.streams.server import redact_url
 from oserve.streams.subjects import Subjects
 
 
@@ -68,7 +69,7 @@ class OServeClient:
                                     inbox_prefix=f"{subjects.reply_prefix()}.{user or 'anon'}",
                                     max_reconnect_attempts=3)
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
-            raise ClientError(f"cannot connect to NATS at {url}: {exc}") from exc
+            raise ClientError(f"cannot connect to NATS at {redact_url(url)}: {exc}") from exc
         return cls(nc, subjects, default_timeout_s=default_timeout_s, tracer=tracer, owns_connection=True)
 
     async def submit(self, *, prompt: str | None = None, input_tokens: int | None = None,

@@ -24,6 +24,8 @@ BYTES_PER_TOKEN = 4
 """Prompt text is counted at about 4 UTF-8 bytes per token; there is no tokenizer on the request path."""
 
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
+TokenId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
+"""An id that names a subject (a replica's): one subject token, as `Subjects` checks it."""
 Tokens = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 PosTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 Seconds = Annotated[float, Meta(ge=0.0)]
@@ -116,6 +118,7 @@ class ErrorCode:
     NO_REPLICA = "no_replica"
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
+    SHUTTING_DOWN = "shutting_down"
 
 
 # --- events (JetStream) -----------------------------------------------------------------------------
@@ -153,10 +156,12 @@ class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
 
     replica_id: str
     items: list[Completion]
+    released: list[str] = []
+    """Request ids answered with an error (no numbers for the forecaster); the gateway forgets them too."""
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat.v1"):
-    replica_id: str
+    replica_id: TokenId
     at_s: float
     num_waiting: int
     num_running: int

@@ -98,3 +98,12 @@ class Subjects:
     # assignment the routers follow (written when a switch completes)
     STRATEGY_KEY = "current"
     ASSIGNMENT_KEY = "assignment"
+
+
+def dedupe_key(reply: str, request_id: str) -> str:
+    """The key requests are de-duplicated on: the reply inbox's prefix and the request id. Pure.
+
+    A client's inboxes share one prefix (one connection), so its retries and the gateway's re-dispatches
+    are duplicates, while another client reusing the request id is not (it never gets the first's reply).
+    """
+    return f"{reply.rpartition('.')[0]} {request_id}"

@@ -187,3 +187,21 @@ def test_engine_backend_contract(make) -> None:
         assert jobs[f.seq].arrival_s <= f.first_token_s <= f.finish_s
     load = backend.load()
     assert load.num_waiting == 0 and load.num_running == 0
+
+
+def test_heartbeat_replica_ids_must_be_one_subject_token() -> None:
+    for bad in ("", "a.b", "a b", "a*", "a>"):
+        raw = json.dumps({"type": "heartbeat.v1", "replica_id": bad, "at_s": 0.0, "num_waiting": 0,
+                          "num_running": 0}).encode()
+        with pytest.raises(sc.SchemaError):
+            sc.decode(raw, sc.Heartbeat)
+    ok = sc.decode(sc.encode(sc.Heartbeat(replica_id="r-0_a", at_s=0.0, num_waiting=0, num_running=0)), sc.Heartbeat)
+    assert ok.replica_id == "r-0_a"
+
+
+def test_completed_without_released_ids_still_decodes() -> None:
+    old = json.dumps({"type": "completed.v1", "replica_id": "r0", "items": []}).encode()
+    ev = sc.decode(old, sc.Completed)
+    assert isinstance(ev, sc.Completed) and ev.released == []
+    new = sc.decode(sc.encode(sc.Completed(replica_id="r0", items=[], released=["q1"])), sc.Completed)
+    assert new.released == ["q1"]

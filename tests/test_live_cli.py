@@ -130,3 +130,24 @@ def test_log_lines_carry_no_password() -> None:
 
     assert redact_url("nats://worker:s3cret@nats:4222") == "nats://worker:***@nats:4222"
     assert redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+def test_a_connect_error_carries_no_password() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main() -> None:
+        with pytest.raises(ClientError) as info:
+            await OServeClient.connect(f"nats://worker:s3cret@127.0.0.1:{port}", connect_timeout_s=0.5)
+        assert "s3cret" not in str(info.value) and "worker:***@127.0.0.1" in str(info.value)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_nats_url_can_come_from_the_environment() -> None:
+    result = CliRunner().invoke(app, ["worker", "janitor"], env={"OSERVE_NATS_URL": "nats://127.0.0.1:1"})
+    assert isinstance(result.exception, ConfigError)  # got past the required --nats option
+    assert CliRunner().invoke(app, ["worker", "janitor"], env={"OSERVE_NATS_URL": None}).exit_code == 2

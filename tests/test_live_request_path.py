@@ -11,8 +11,8 @@ import nats
 import pytest
 
 from oserve.client import NoGateway, OServeClient, RequestRejected, RequestTimeout
-from oserve.streams.schemas import (AssignmentSet, Dispatch, ErrorCode, ErrorReply, Reply, SubmitRequest, decode,
-                                    decode_reply, encode)
+from oserve.streams.schemas import (AssignmentSet, Completed, Dispatch, ErrorCode, ErrorReply, Reply, SubmitRequest,
+                                    decode, decode_reply, encode)
 from oserve.streams.testing import running_server, unique_subjects
 from oserve.workers.clock import Clock
 from oserve.workers.engine import EngineWorker, EngineWorkerConfig
@@ -279,3 +279,265 @@ def test_worker_lifecycle_is_idempotent_and_the_gateway_sheds_load(server) -> No
         await nc.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+async def _retiring_host(stack: AsyncExitStack, url: str, num: int):
+    """An engine host with one replica holding `num` requests in flight, then told to drain it."""
+    from oserve.streams.schemas import DrainReplica, ReplicaSpec, StartReplica
+    from oserve.workers.control import EngineHost, EngineHostConfig
+
+    subjects = unique_subjects()
+    nc = await nats.connect(url)
+    stack.push_async_callback(nc.close)
+    clock = Clock(speedup=5.0)
+    host = await stack.enter_async_context(EngineHost(nc, EngineHostConfig(subjects=subjects,
+                                                                           heartbeat_interval_wall_s=0.05), clock))
+    gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock))
+    await nc.publish(subjects.host_control("local"), encode(StartReplica(
+        strategy_id="s", replica=ReplicaSpec(replica_id="h0", tp=1, pp=1, gpu_ids=[0]), ready_after_s=0.0)))
+    await gw.wait_for_replicas(1, 5.0)
+    client = OServeClient(nc, subjects, default_timeout_s=20.0)
+    tasks = [asyncio.create_task(client.submit(input_tokens=200, max_tokens=400, request_id=f"h{i}"))
+             for i in range(num)]
+    engine = host.engines["h0"]
+    await wait_until(lambda: engine.num_inflight == num, 5, "the replica to hold every request")
+    await nc.publish(subjects.host_control("local"), encode(DrainReplica(strategy_id="s", replica_id="h0")))
+    await wait_until(lambda: "h0" in host._retiring, 5, "the replica to be retiring")
+    return host, gw, engine, tasks
+
+
+def test_a_host_drain_waits_for_a_retiring_replica(server) -> None:
+    num = 8
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            host, gw, engine, tasks = await _retiring_host(stack, server.url, num)
+            await host.drain()  # Ctrl-C during the retirement: the retiring replica's requests finish
+            assert engine.num_inflight == 0
+            await host.stop()
+            replies = await asyncio.gather(*tasks)
+            assert sorted(r.request_id for r in replies) == sorted(f"h{i}" for i in range(num))
+
+    asyncio.run(asyncio.wait_for(main(), 40))
+
+
+def test_a_stopped_replica_answers_its_inflight_requests_with_errors(server) -> None:
+    num = 8
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            host, gw, engine, tasks = await _retiring_host(stack, server.url, num)
+            await host.stop()  # no drain: every client still gets an answer, and the gateway forgets them
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert len(results) == num
+            for r in results:
+                assert isinstance(r, Reply) or (isinstance(r, RequestRejected) and r.code == ErrorCode.SHUTTING_DOWN), r
+            assert any(isinstance(r, RequestRejected) for r in results)
+            await wait_until(lambda: not gw.pending, 5, "the gateway to release the unanswered requests")
+
+    asyncio.run(asyncio.wait_for(main(), 40))
+
+
+def test_requests_waiting_for_a_replica_go_to_one_that_comes_back_with_the_same_id(server) -> None:
+    num = 6
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, replica_ids=("r0",), speedup=4.0,
+                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+            tasks = [asyncio.create_task(client.submit(input_tokens=200, max_tokens=300, request_id=f"b{i}",
+                                                       timeout_s=20)) for i in range(num)]
+            await wait_until(lambda: engines[0].num_inflight == num, 5, "the replica to hold every request")
+            await engines[0].stop()  # dies; its requests wait for a live replica
+            await wait_until(lambda: gw.pending and all(p.replica_id is None for p in gw.pending.values()), 5,
+                             "the requests to wait unrouted")
+            cfg = EngineWorkerConfig("r0", subjects=subjects, **FAST_HB)
+            back = await stack.enter_async_context(EngineWorker(nc, cfg, Clock(speedup=50.0)))
+            replies = await asyncio.gather(*tasks)
+            assert sorted(r.request_id for r in replies) == sorted(f"b{i}" for i in range(num))
+            assert back.num_answered == num
+            await wait_until(lambda: not gw.pending, 5, "the gateway to see every completion")
+
+            # unrouted at drain: answered with an error, not left to time out
+            tasks = [asyncio.create_task(client.submit(input_tokens=200, max_tokens=3000, request_id=f"c{i}",
+                                                       timeout_s=20)) for i in range(num)]
+            await wait_until(lambda: back.num_inflight == num, 5, "the replica to hold every request")
+            await back.stop()
+            await wait_until(lambda: len(gw.pending) == num and all(p.replica_id is None for p in gw.pending.values()),
+                             5, "the requests to wait unrouted")
+            with pytest.raises(RequestRejected) as retry:  # a client's retry while it waits: told, not ignored
+                await client.submit(input_tokens=200, max_tokens=3000, request_id="c0", timeout_s=5)
+            assert retry.value.code == ErrorCode.NO_REPLICA
+            await gw.drain()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(r, RequestRejected) and r.code == ErrorCode.NO_REPLICA for r in results), results
+            assert not gw.pending
+
+    asyncio.run(asyncio.wait_for(main(), 40))
+
+
+def test_an_engine_error_reply_releases_the_gateways_pending_entry(server) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, replica_ids=("r0",), gateway_kwargs=dict(max_context_tokens=1 << 20))
+            got_completed = []
+
+            async def on_completed(msg) -> None:
+                got_completed.append(decode(msg.data, Completed))
+
+            await nc.subscribe(subjects.completions(), cb=on_completed)
+            with pytest.raises(RequestRejected) as info:  # far more KV than the replica has
+                await client.submit(input_tokens=900_000, max_tokens=10, request_id="huge", timeout_s=5)
+            assert info.value.code == ErrorCode.INVALID
+            await wait_until(lambda: not gw.pending, 5, "the gateway to release the failed request")
+            assert any("huge" in c.released and not c.items for c in got_completed)  # no numbers to learn from
+            assert (await client.submit(input_tokens=10, max_tokens=2, timeout_s=5)).replica_id == "r0"
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class _FailingForwards:
+    """The gateway's connection, except that forwarding to a replica fails (a fault injected in the test)."""
+
+    def __init__(self, nc, replica_subject_prefix: str) -> None:
+        self._nc, self._prefix = nc, replica_subject_prefix
+
+    def __getattr__(self, name):
+        return getattr(self._nc, name)
+
+    async def publish(self, subject, *args, **kwargs):
+        if subject.startswith(self._prefix):
+            raise ConnectionError("injected: forward failed")
+        return await self._nc.publish(subject, *args, **kwargs)
+
+
+def test_a_failed_forward_is_answered_and_never_owned(server) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
+            gw.nc = _FailingForwards(nc, subjects.replica("r0"))
+            with pytest.raises(RequestRejected) as info:
+                await client.submit(input_tokens=10, max_tokens=2, request_id="f1", timeout_s=5)
+            assert info.value.code == ErrorCode.INTERNAL
+            assert "f1" not in gw.pending and gw.num_accepted == 0  # nothing left to re-dispatch later
+            gw.nc = nc
+            assert (await client.submit(input_tokens=10, max_tokens=2, request_id="f1", timeout_s=5)).request_id == "f1"
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_heartbeats_with_bad_replica_ids_are_refused_and_liveness_keeps_running(server) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, replica_ids=("r0",),
+                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+            for bad in ("", "a.b", "a b", "a*"):
+                raw = json.dumps({"type": "heartbeat.v1", "replica_id": bad, "at_s": 0.0, "num_waiting": 0,
+                                  "num_running": 0}).encode()
+                await nc.publish(subjects.heartbeat("x"), raw)
+            await wait_until(lambda: gw.num_errors >= 4, 5, "the bad heartbeats to be refused")
+            await asyncio.sleep(0.5)  # several liveness ticks with the bad heartbeats seen
+            assert gw.running and gw.failure is None and gw.live_replicas == ["r0"]
+            assert (await client.submit(input_tokens=10, max_tokens=2, timeout_s=5)).replica_id == "r0"
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_worker_whose_background_loop_fails_stops_loudly(server, caplog) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
+
+            async def broken() -> None:
+                raise RuntimeError("injected: the arrivals loop breaks")
+
+            gw._flush_arrivals = broken
+            await wait_until(lambda: not gw.running, 5, "the gateway to stop itself")
+            assert isinstance(gw.failure, RuntimeError)
+            with pytest.raises(NoGateway):  # it no longer accepts requests it could not own
+                await client.submit(input_tokens=10, max_tokens=2, timeout_s=2)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert "background loop failed" in caplog.text
+
+
+def test_a_replica_drained_while_it_starts_never_serves(server) -> None:
+    from oserve.streams.schemas import DrainReplica, ReplicaDrained, ReplicaReady, ReplicaSpec, StartReplica
+    from oserve.workers.control import EngineHost, EngineHostConfig
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            subjects = unique_subjects()
+            nc = await nats.connect(server.url)
+            stack.push_async_callback(nc.close)
+            host = await stack.enter_async_context(EngineHost(nc, EngineHostConfig(subjects=subjects),
+                                                              Clock(speedup=10.0)))
+            events = []
+
+            async def on_replica(msg) -> None:
+                events.append(decode(msg.data, ReplicaReady | ReplicaDrained))
+
+            await nc.subscribe(subjects.plan_event("replica"), cb=on_replica)
+            await nc.publish(subjects.host_control("local"), encode(StartReplica(
+                strategy_id="s", replica=ReplicaSpec(replica_id="h1", tp=1, pp=1, gpu_ids=[0]), ready_after_s=5.0)))
+            await wait_until(lambda: "h1" in host._starting, 5, "the replica to be starting")
+            await nc.publish(subjects.host_control("local"), encode(DrainReplica(strategy_id="s", replica_id="h1")))
+            await wait_until(lambda: any(isinstance(e, ReplicaDrained) for e in events), 5, "the drain to be reported")
+            await wait_until(lambda: "h1" not in host._starting, 5, "the modelled weight transfer to end")
+            await nc.flush()
+            assert "h1" not in host.engines and not any(isinstance(e, ReplicaReady) for e in events)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_request_id_reused_by_another_client_never_gets_the_first_ones_answer(server) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client_a = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                     speedup=5.0)
+            client_b = await OServeClient.connect(server.url, subjects=subjects)  # another connection, another inbox
+            stack.push_async_callback(client_b.close)
+            a = asyncio.create_task(client_a.submit(input_tokens=100, max_tokens=200, request_id="same", timeout_s=10))
+            await wait_until(lambda: "same" in gw.pending, 5, "A's request to be in flight")
+            with pytest.raises(RequestRejected) as info:  # in flight for A: B is told, not given A's answer
+                await client_b.submit(input_tokens=7, max_tokens=3, request_id="same", timeout_s=5)
+            assert info.value.code == ErrorCode.INVALID
+            ra = await a
+            assert (ra.input_tokens, ra.output_tokens) == (100, 200)
+            await wait_until(lambda: not gw.pending, 5, "the gateway to see A's completion")
+            rb = await client_b.submit(input_tokens=7, max_tokens=3, request_id="same", timeout_s=5)
+            assert (rb.input_tokens, rb.output_tokens) == (7, 3)  # served for B, not A's stored reply
+            await wait_until(lambda: not gw.pending, 5, "the gateway to see B's completion")
+            again = await client_a.submit(input_tokens=100, max_tokens=200, request_id="same", timeout_s=5)
+            assert again == ra  # A's own retry still gets its stored answer
+            assert engines[0].num_answered == 2
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_replay_runs_use_unique_request_ids(server) -> None:
+    from oserve.workers.system import replay
+    from oserve.workload import Request, Trace
+
+    trace = Trace.from_requests([Request(f"x{i}", 0.01 * i, 20 + i, 2) for i in range(3)], name="tiny")
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
+            seen: list[str] = []
+
+            async def on_dispatch(msg) -> None:
+                seen.append(decode(msg.data, Dispatch).request_id)
+
+            await nc.subscribe(subjects.replica("r0"), cb=on_dispatch)
+            for _ in range(2):  # the same client and trace twice: the second run is served, not replayed from cache
+                result = await replay(client, trace, 50.0, timeout_s=10)
+                assert result["answered"] == len(trace)
+            await nc.flush()
+            assert len(set(seen)) == 2 * len(trace)
+            assert engines[0].num_answered == 2 * len(trace) and engines[0].num_duplicates == 0
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -23,6 +23,9 @@ class Worker:
         self._subs: list = []
         self._runner: asyncio.Task[None] | None = None
         self._state = "new"  # new -> started -> draining -> stopped
+        self._drained = asyncio.Event()  # set once the first drain() ends (or is cancelled)
+        self.failure: BaseException | None = None
+        """The exception that killed a background loop (the worker then stopped itself), else None."""
 
     @property
     def running(self) -> bool:
@@ -54,20 +57,31 @@ class Worker:
             async with asyncio.TaskGroup() as tg:
                 for loop in loops:
                     tg.create_task(loop())
-        except* Exception as group:  # a loop died: log it; the worker keeps its subscriptions
+        except* Exception as group:  # a loop died: the worker stops rather than stay half-alive
+            self.failure = group.exceptions[0]
             for exc in group.exceptions:
-                log.error("%s: background loop failed", self.name, exc_info=exc)
+                log.error("%s: background loop failed; stopping the worker", self.name, exc_info=exc)
+            self._runner = None  # this task: stop() must not cancel and await itself
+            await self.stop()
 
     async def drain(self) -> None:
+        """Finish in-flight work; a second caller while a drain runs waits for that drain to end."""
+        if self._state == "draining":
+            await self._drained.wait()
+            return
         if self._state != "started":
             return
         self._state = "draining"
-        await self._drain()
+        try:
+            await self._drain()
+        finally:
+            self._drained.set()
 
     async def stop(self) -> None:
         if self._state == "stopped":
             return
         self._state = "stopped"
+        self._drained.set()
         runner, self._runner = self._runner, None
         if runner is not None:
             runner.cancel()

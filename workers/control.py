@@ -485,7 +485,9 @@ class EngineHost(Worker):
         super().__init__()
         self.nc, self.config, self.clock, self.tracer = nc, config, clock, tracer
         self.engines: dict[str, EngineWorker] = {}
+        self._retiring: dict[str, EngineWorker] = {}  # replica_id -> engine being drained on command
         self._starting: set[str] = set()
+        self._cancelled_starts: set[str] = set()  # replica ids drained while starting; honoured after the sleep
         self._queue: asyncio.Queue[tuple[StartReplica | DrainReplica, dict | None]] = asyncio.Queue()
 
     async def _subscribe(self) -> list:
@@ -522,6 +524,9 @@ class EngineHost(Worker):
             self._starting.add(rid)
             try:
                 await self.clock.sleep(cmd.ready_after_s)  # the modelled weight transfer
+                if rid in self._cancelled_starts:  # drained while it started: never serves
+                    log.info("%s: start of %s cancelled by a drain", self.config.host_id, rid)
+                    return
                 cfg = EngineWorkerConfig(rid, subjects=self.config.subjects,
                                          backend=self.config.backend,  # type: ignore[arg-type]
                                          sim=SimBackendConfig(self.config.model, self.config.gpu, cmd.replica.tp,
@@ -529,9 +534,13 @@ class EngineHost(Worker):
                                          heartbeat_interval_wall_s=self.config.heartbeat_interval_wall_s)
                 engine = EngineWorker(self.nc, cfg, self.clock, tracer=self.tracer)
                 await engine.start()
+                if rid in self._cancelled_starts:  # the drain came while it subscribed
+                    await engine.stop()
+                    return
                 self.engines[rid] = engine
             finally:
                 self._starting.discard(rid)
+                self._cancelled_starts.discard(rid)
         if rid in self.engines:
             await self.nc.publish(self.config.subjects.plan_event("replica"),
                                   encode(ReplicaReady(strategy_id=cmd.strategy_id, replica_id=rid)), headers=headers)
@@ -539,17 +548,26 @@ class EngineHost(Worker):
     async def _drain_replica(self, cmd: DrainReplica, headers) -> None:
         engine = self.engines.pop(cmd.replica_id, None)
         if engine is None:
+            if cmd.replica_id in self._starting:  # still loading: cancel the start, nothing to drain
+                self._cancelled_starts.add(cmd.replica_id)
+                await self.nc.publish(self.config.subjects.plan_event("replica"),
+                                      encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
+                                      headers=headers)
             return
+        self._retiring[cmd.replica_id] = engine  # the host's own drain and stop still see it
         await engine.drain()
         await engine.stop()
+        self._retiring.pop(cmd.replica_id, None)  # not on cancellation: the host's stop stops it
         await self.nc.publish(self.config.subjects.plan_event("replica"),
                               encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
                               headers=headers)
 
     async def _drain(self) -> None:
-        await asyncio.gather(*(e.drain() for e in self.engines.values()))
+        await asyncio.gather(*(e.drain() for e in [*self.engines.values(), *self._retiring.values()]))
 
     async def _on_stop(self) -> None:
-        for e in list(self.engines.values()):
+        for e in [*self.engines.values(), *self._retiring.values()]:
             await e.stop()
+            await e.fail_inflight()  # stopped mid-drain: each client gets an error, not silence
         self.engines.clear()
+        self._retiring.clear()

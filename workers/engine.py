@@ -2,13 +2,17 @@
 
 - Requests arrive on `Subjects.replica(replica_id)` with the client's inbox as reply subject; the
   worker answers there directly (the gateway is not on the reply path).
-- Exactly once: requests are de-duplicated by request id and served once. A duplicate of one still
+- Exactly once: requests are de-duplicated by reply-inbox prefix and request id (`dedupe_key`: one
+  client's retries match, another client reusing the id does not) and served once. A duplicate of one still
   in flight is not served again: to the same inbox it is dropped, to a new inbox (a client's retry)
   the one answer is sent there too; a duplicate of one already answered gets the stored reply
   (the last `dedupe_capacity` answers are kept).
 - Completions are published in batches (`Completed`, ids and numbers, every `completion_flush_wall_s`)
   on the completions subject, which a JetStream stream captures; the gateway uses them to forget what
-  it forwarded, the forecaster to learn true output lengths.
+  it forwarded, the forecaster to learn true output lengths. Requests answered with an error are listed
+  in `Completed.released` (no numbers), so the gateway forgets them too.
+- `stop()` is as good as a crash (the gateway re-dispatches); `fail_inflight()` after it answers what
+  was left with `shutting_down` errors instead (an engine host's orderly stop).
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`; load and latency as `Telemetry` every
   `telemetry_interval_s` of clock time.
 """
@@ -28,7 +32,7 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 from oserve.observability.tracing import extract, inject, trace_headers
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Completed, Completion, Dispatch, ErrorCode, ErrorReply,
                                     Heartbeat, Reply, SchemaError, Telemetry, decode, encode)
-from oserve.streams.subjects import Subjects
+from oserve.streams.subjects import Subjects, dedupe_key
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -75,6 +79,8 @@ class _InFlight:
     headers: dict[str, str] | None
     also_reply: list[str] = field(default_factory=list)
     """Other reply subjects that asked for the same request while it ran (a client's retry)."""
+    key: str = ""
+    """The de-duplication key (`dedupe_key`)."""
 
 
 class EngineWorker(Worker):
@@ -91,9 +97,10 @@ class EngineWorker(Worker):
         self.backend = backend
         self._seq = 0
         self._inflight: dict[int, _InFlight] = {}  # seq -> request being served
-        self._by_id: dict[str, int] = {}  # request_id -> seq, while in flight
-        self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # request_id -> reply
+        self._by_id: dict[str, int] = {}  # dedupe key -> seq, while in flight
+        self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # dedupe key -> reply
         self._completions: list[Completion] = []
+        self._released: list[str] = []  # request ids answered with an error since the last flush
         self._wake = asyncio.Event()
         self._waiting_for_s: float | None = None  # the backend event time the step loop sleeps towards
         self._idle = asyncio.Event()
@@ -129,6 +136,35 @@ class EngineWorker(Worker):
                 item.span.set_attribute("oserve.abandoned", True)
                 item.span.end()
 
+    async def fail_inflight(self) -> None:
+        """Answer every request still in flight with a `shutting_down` error and tell the gateway to forget it.
+
+        For an orderly stop (an engine host shutting down): a client gets an error rather than silence,
+        and the gateway does not re-dispatch what was already answered. A plain `stop()` stays as good as
+        a crash (the gateway re-dispatches).
+        """
+        inflight, self._inflight = self._inflight, {}
+        self._by_id.clear()
+        self._idle.set()
+        for item in inflight.values():
+            job = item.job
+            payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.SHUTTING_DOWN,
+                                        message=f"replica {self.config.replica_id} stopped before answering"))
+            self._released.append(job.request_id)
+            self._answered[item.key] = payload
+            try:
+                for reply in ([item.reply] if item.reply else []) + item.also_reply:
+                    await self.nc.publish(reply, payload)
+            except Exception:  # connection already closed: nobody left to tell
+                log.debug("%s: could not answer %s at stop", self.config.replica_id, job.request_id, exc_info=True)
+            if item.span is not None and item.span.is_recording():
+                item.span.set_attribute("oserve.abandoned", True)
+                item.span.end()
+        try:
+            await self._flush_completions()
+        except Exception:  # connection already closed
+            log.debug("%s: could not flush completions at stop", self.config.replica_id, exc_info=True)
+
     @property
     def num_inflight(self) -> int:
         return len(self._inflight)
@@ -152,13 +188,14 @@ class EngineWorker(Worker):
                 await self.nc.publish(msg.reply, encode(ErrorReply(code=exc.code, message=exc.message)))
             return
         assert isinstance(d, Dispatch)
-        cached = self._answered.get(d.request_id)
-        if cached is not None or d.request_id in self._by_id:
+        key = dedupe_key(msg.reply, d.request_id)
+        cached = self._answered.get(key)
+        if cached is not None or key in self._by_id:
             self.num_duplicates += 1
             if cached is not None and msg.reply:
                 await self.nc.publish(msg.reply, cached)
             elif msg.reply:
-                item = self._inflight[self._by_id[d.request_id]]
+                item = self._inflight[self._by_id[key]]
                 if msg.reply != item.reply and msg.reply not in item.also_reply:
                     item.also_reply.append(msg.reply)  # a retry from a new inbox: answer it too, once
             return
@@ -172,8 +209,9 @@ class EngineWorker(Worker):
                                                       "oserve.replica_id": self.config.replica_id,
                                                       "oserve.attempt": d.attempt,
                                                       "oserve.input_tokens": d.input_tokens})
-        self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers))
-        self._by_id[d.request_id] = job.seq
+        self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers),
+                                            key=key)
+        self._by_id[key] = job.seq
         self._idle.clear()
         done = self.backend.add(job, now_s)
         if done:
@@ -187,9 +225,10 @@ class EngineWorker(Worker):
             if item is None:
                 continue
             job = item.job
-            del self._by_id[job.request_id]
+            del self._by_id[item.key]
             if f.error:
                 payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.INVALID, message=f.error))
+                self._released.append(job.request_id)
             else:
                 ttft_s, e2e_s = f.first_token_s - job.arrival_s, f.finish_s - job.arrival_s
                 payload = encode(Reply(request_id=job.request_id, replica_id=self.config.replica_id,
@@ -200,7 +239,7 @@ class EngineWorker(Worker):
                     output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
                     finished_at_s=f.finish_s))
                 self._window_e2e.append(e2e_s)
-            self._answered[job.request_id] = payload
+            self._answered[item.key] = payload
             if len(self._answered) > self.config.dedupe_capacity:
                 self._answered.popitem(last=False)
             if item.reply:
@@ -238,9 +277,11 @@ class EngineWorker(Worker):
 
     async def _flush_completions(self) -> None:
         items, self._completions = self._completions, []
-        for i in range(0, len(items), EVENT_BATCH_ITEMS):
+        released, self._released = self._released, []
+        for i in range(0, max(len(items), len(released)), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.completions(), encode(Completed(
-                replica_id=self.config.replica_id, items=items[i:i + EVENT_BATCH_ITEMS])))
+                replica_id=self.config.replica_id, items=items[i:i + EVENT_BATCH_ITEMS],
+                released=released[i:i + EVENT_BATCH_ITEMS])))
 
     async def _flush_loop(self) -> None:
         while True:

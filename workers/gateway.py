@@ -10,7 +10,11 @@
   answers the client directly.
 - Nothing lost: every forwarded request stays in `pending` until a `Completed` event names it; a
   replica that misses heartbeats for `heartbeat_timeout_wall_s` is declared dead and its unanswered
-  requests are re-dispatched (engines de-duplicate by request id).
+  requests are re-dispatched (engines de-duplicate by inbox prefix and request id); one that finds no
+  live replica waits until a replica becomes eligible (a new id or one come back), and is answered
+  `no_replica` if the gateway drains first. An engine's error replies are `released` in its `Completed`
+  events, so the gateway forgets them too. A request id still in flight for another client (another
+  inbox prefix) is refused `invalid`, never served with the first client's answer.
 - Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
 """
 
@@ -31,7 +35,7 @@ from oserve.observability.tracing import extract, inject, trace_headers
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
                                     ErrorCode, ErrorReply, Heartbeat, Ping, Pong, SchemaError, decode, decode_submit,
                                     encode)
-from oserve.streams.subjects import Subjects
+from oserve.streams.subjects import Subjects, dedupe_key
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 from oserve.workers.router import Classifier, SmoothWRR
@@ -104,6 +108,7 @@ class Gateway(Worker):
         self.pending: dict[str, _Pending] = {}  # request_id -> what was forwarded and where
         self._arrivals: list[Arrival] = []
         self._replicas_changed = asyncio.Event()
+        self._maybe_unrouted = False  # some pending request may wait for a live replica (replica_id None)
         self.strategy_id = ""
         # counters
         self.num_accepted = 0
@@ -136,6 +141,7 @@ class Gateway(Worker):
         if self._subs:
             await self._subs[-1].unsubscribe()
             self._subs.pop()
+        await self._answer_unrouted()
         await self._flush_arrivals()
 
     @property
@@ -169,12 +175,14 @@ class Gateway(Worker):
         if r is None:
             self._replicas[hb.replica_id] = _Replica(now, hb.accepting)
             self._refresh_eligible()
-            await self._retry_unrouted()
-            return
-        r.last_seen_wall_s = now
-        if r.accepting != hb.accepting or not r.alive:
+        else:
+            r.last_seen_wall_s = now
+            if r.accepting == hb.accepting and r.alive:
+                return
             r.accepting, r.alive = hb.accepting, True
             self._refresh_eligible()
+        if hb.replica_id in self._eligible:  # new, back, or accepting again: it can take what waits
+            await self._retry_unrouted()
 
     async def _on_assignment(self, msg: Msg) -> None:
         self._set_assignment(msg.data)
@@ -248,11 +256,20 @@ class Gateway(Worker):
                 span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,
                                      "oserve.input_tokens": input_tokens})
             existing = self.pending.get(req.request_id)
-            if existing is not None:  # a client retry of a request still in flight: same replica, same answer
+            if existing is not None:
+                if dedupe_key(msg.reply, "") != dedupe_key(existing.reply, ""):
+                    # another client (another inbox) chose the same id: it must never get the first one's answer
+                    await self._reject(msg, req.request_id, ErrorCode.INVALID,
+                                       "request id already in flight for another client; choose a unique id")
+                    return
+                if existing.replica_id is None:
+                    await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA,
+                                       "no live replica to serve the request yet; retry later")
+                    return
+                # a client retry of a request still in flight: same replica, same answer
                 headers = inject(span, existing.headers) if span is not None else existing.headers
-                if existing.replica_id is not None:
-                    await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
-                                          reply=msg.reply, headers=headers)
+                await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
+                                      reply=msg.reply, headers=headers)
                 return
             if len(self.pending) >= cfg.max_pending:
                 await self._reject(msg, req.request_id, ErrorCode.OVERLOADED,
@@ -265,12 +282,14 @@ class Gateway(Worker):
             d = Dispatch(request_id=req.request_id, input_tokens=input_tokens, max_tokens=max_tokens,
                          type_index=type_index, gateway_id=cfg.gateway_id)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
-            self.pending[req.request_id] = _Pending(d, msg.reply, headers, replica_id)
-            self.num_accepted += 1
             if span is not None:
                 span.set_attribute("oserve.replica_id", replica_id)
+            # owned only once forwarded: a failed publish is answered INTERNAL by the outer handler
+            # and must never be re-dispatched later
             await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
                                   headers=dict(headers) if headers else None)
+            self.pending[req.request_id] = _Pending(d, msg.reply, headers, replica_id)
+            self.num_accepted += 1
             self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
                                           input_tokens=input_tokens, est_output_tokens=est,
                                           type_index=type_index, replica_id=replica_id))
@@ -288,6 +307,8 @@ class Gateway(Worker):
         pending = self.pending
         for item in c.items:
             pending.pop(item.request_id, None)
+        for request_id in c.released:  # answered with an error: not to be re-dispatched
+            pending.pop(request_id, None)
 
     # --- nothing lost --------------------------------------------------------------------------------
 
@@ -303,7 +324,8 @@ class Gateway(Worker):
             return
         target = self._route(p.dispatch.type_index)
         if target is None:
-            p.replica_id = None  # retried when a replica shows up
+            p.replica_id = None  # retried when a replica becomes eligible, and on liveness ticks
+            self._maybe_unrouted = True
             return
         p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt)
         p.replica_id = target
@@ -313,8 +335,19 @@ class Gateway(Worker):
 
     async def _retry_unrouted(self) -> None:
         for rid, p in list(self.pending.items()):
-            if p.replica_id is None:
+            if p.replica_id is None and self.pending.get(rid) is p:
                 await self._redispatch(rid, p)
+
+    async def _answer_unrouted(self) -> None:
+        """Answer every request still waiting for a live replica with an error (the gateway is going away)."""
+        for rid, p in list(self.pending.items()):
+            if p.replica_id is None:
+                del self.pending[rid]
+                self.num_failed += 1
+                if p.reply:
+                    await self.nc.publish(p.reply, encode(ErrorReply(
+                        request_id=rid, code=ErrorCode.NO_REPLICA,
+                        message="no live replica took the request before the gateway shut down")))
 
     async def _liveness_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -323,17 +356,19 @@ class Gateway(Worker):
             now = loop.time()
             dead = [rid for rid, r in self._replicas.items()
                     if r.alive and now - r.last_seen_wall_s > self.config.heartbeat_timeout_wall_s]
-            if not dead:
-                continue
             for rid in dead:
                 self._replicas[rid].alive = False
                 log.warning("%s: replica %s missed heartbeats; re-dispatching its requests",
                             self.config.gateway_id, rid)
-            self._refresh_eligible()
+            if dead:
+                self._refresh_eligible()
+            elif not (self._maybe_unrouted and self._eligible):
+                continue  # nothing died and nothing waits: no scan of `pending`
             gone = set(dead)
             for req_id, p in list(self.pending.items()):
-                if p.replica_id in gone or p.replica_id is None:
+                if p.replica_id in gone or (p.replica_id is None and self._eligible):
                     await self._redispatch(req_id, p)
+            self._maybe_unrouted = any(p.replica_id is None for p in self.pending.values())
 
     async def _flush_arrivals(self) -> None:
         items, self._arrivals = self._arrivals, []

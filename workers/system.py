@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,12 +195,13 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
     errors: dict[str, int] = {}
     lost = 0
     t0 = time.monotonic()
+    run_id = uuid.uuid4().hex[:12]  # ids unique per run: a second replay must not meet the first's answers
 
     async def one(i: int, at_s: float, inp: int, out: int) -> None:
         nonlocal lost
         await asyncio.sleep(max(0.0, t0 + at_s / speedup - time.monotonic()))
         try:
-            r = await client.submit(input_tokens=inp, max_tokens=max(1, out), request_id=f"replay-{i}",
+            r = await client.submit(input_tokens=inp, max_tokens=max(1, out), request_id=f"replay-{run_id}-{i}",
                                     timeout_s=timeout_s)
             e2e.append(r.e2e_s)
         except RequestRejected as exc:

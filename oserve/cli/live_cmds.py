@@ -11,6 +11,7 @@ import json
 import typer
 
 from oserve.cli import app, bench_app
+from oserve.streams.server import redact_url  # noqa: F401  (re-exported: used here and by tests)
 
 
 @bench_app.command("bus")
@@ -18,7 +19,8 @@ def bench_bus(
     requests: int = typer.Option(20_000, help="Requests per throughput round."),
     latency_requests: int = typer.Option(2_000, help="Sequential requests for the latency percentiles."),
     concurrency: int = typer.Option(128, help="Requests in flight while measuring throughput."),
-    nats_url: str = typer.Option("", "--nats", help="NATS URL; empty starts an embedded nats-server."),
+    nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
+                                 help="NATS URL; empty starts an embedded nats-server."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Requests/s through gateway -> engine (echo backend) versus a bare NATS echo, and the P99 added."""
@@ -110,19 +112,6 @@ async def _serve(url: str, config, duration_s: float, label: str, view: bool = F
         await nc.drain()
 
 
-def redact_url(url: str) -> str:
-    """`url` without its password (for log lines). Pure."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
-
-
 def _logging() -> None:
     import logging
 
@@ -131,7 +120,8 @@ def _logging() -> None:
 
 @app.command("up")
 def up(
-    nats_url: str = typer.Option("", "--nats", help="NATS URL; empty starts an embedded nats-server."),
+    nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
+                                 help="NATS URL; empty starts an embedded nats-server."),
     model: str = typer.Option("llama2-7b", help="Model preset the simulated engines run."),
     gpus: int = typer.Option(8, help="GPUs of the simulated cluster."),
     speedup: float = typer.Option(1.0, help="Clock speed relative to wall time."),
@@ -161,7 +151,8 @@ def up(
 @app.command("worker")
 def worker(
     name: str = typer.Argument(..., help=f"One of: {', '.join(_WORKER_NAMES)}."),
-    nats_url: str = typer.Option(..., "--nats", help="NATS URL."),
+    nats_url: str = typer.Option(..., "--nats", envvar="OSERVE_NATS_URL",
+                                 help="NATS URL."),
     model: str = typer.Option("llama2-7b", help="Model preset."),
     gpus: int = typer.Option(8, help="GPUs of the cluster."),
     speedup: float = typer.Option(1.0, help="Clock speed relative to wall time."),
@@ -191,7 +182,8 @@ def replay_cmd(
     trace: str = typer.Argument("azure-conv", help="Trace name or CSV path."),
     speedup: float = typer.Option(60.0, help="Clock speed relative to wall time."),
     minutes: float = typer.Option(5.0, help="Minutes of the trace to replay (from its start)."),
-    nats_url: str = typer.Option("", "--nats", help="NATS URL of a running system; empty runs one embedded."),
+    nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
+                                 help="NATS URL of a running system; empty runs one embedded."),
     model: str = typer.Option("llama2-7b", help="Model preset (embedded system)."),
     gpus: int = typer.Option(8, help="GPUs (embedded system)."),
     span_s: float = typer.Option(60.0, help="Planning span, clock seconds (embedded system)."),
