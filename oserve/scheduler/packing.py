@@ -10,6 +10,9 @@ how many nodes use each maximal node pattern) decides and gives the layout.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -20,6 +23,32 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from oserve.errors import InfeasibleError
 from oserve.specs import ClusterSpec, Deployment, Replica, ReplicaShape
 
+
+
+@contextlib.contextmanager
+def highs_quiet():
+    """Silence the C-level stdout for one HiGHS MIP solve.
+
+    HiGHS's MIP solver (as bundled with scipy 1.17) writes a developer message
+    ("HighsMipSolverData::transformNewIntegerFeasibleSolution ...") straight to file descriptor 1 on
+    some solves, whatever its display options say; that would corrupt a command's --json output.
+    Where stdout is not a real file descriptor (captured by a test runner) nothing is changed.
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(devnull)
 
 def node_patterns(sizes: Iterable[int], gpus_per_node: int) -> tuple[tuple[int, ...], ...]:
     """Maximal ways to fill one node with stages of the given sizes, as counts per size. Pure.
@@ -158,8 +187,9 @@ def _pattern_layout(key: tuple[tuple[int, int], ...], num_nodes: int,
     a = np.array(patterns, dtype=float).T  # sizes x patterns
     num_q = a.shape[1]
     constraints = [LinearConstraint(a, lb=need, ub=np.inf), LinearConstraint(np.ones((1, num_q)), ub=num_nodes)]
-    res = milp(np.ones(num_q), constraints=constraints, integrality=np.ones(num_q),
-               bounds=Bounds(0, num_nodes))
+    with highs_quiet():
+        res = milp(np.ones(num_q), constraints=constraints, integrality=np.ones(num_q),
+                   bounds=Bounds(0, num_nodes))
     if res.status != 0 or res.x is None:
         return None
     layout: list[tuple[int, ...]] = []

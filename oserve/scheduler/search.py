@@ -40,11 +40,12 @@ from scipy.sparse import csr_array, hstack, vstack
 
 from oserve.errors import ConfigError, InfeasibleError, UnknownNameError
 from oserve.scheduler.assignment import Assignment
-from oserve.scheduler.packing import is_divisible_chain, node_patterns, place
+from oserve.scheduler.packing import highs_quiet, is_divisible_chain, node_patterns, place
 from oserve.scheduler.problem import REL_TOL, Evaluator, PlanningProblem, split_assignment
 from oserve.specs import ClusterSpec, Deployment, MemoryConfig, ModelSpec, ReplicaShape
 
 SEARCHES = ("milp", "paper", "exhaustive")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,8 +368,9 @@ def _milp_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Evalu
     obj = np.concatenate([np.zeros(num_s), -np.ones(num_y), np.zeros(num_q)])
     a1 = vstack([rows_c1, rows_c3, packing]).tocsr()
     ub1 = np.concatenate([lam, np.zeros(num_s), packing_ub])
-    res = milp(obj, constraints=LinearConstraint(a1, -np.inf, ub1), integrality=integrality,
-               bounds=Bounds(lower, upper), options=options)
+    with highs_quiet():
+        res = milp(obj, constraints=LinearConstraint(a1, -np.inf, ub1), integrality=integrality,
+                   bounds=Bounds(lower, upper), options=options)
     if res.x is None:
         raise InfeasibleError(f"deployment MILP found no solution: {res.message}")
     candidates = [res.x]
@@ -387,8 +389,10 @@ def _milp_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Evalu
         upper2 = np.concatenate([c_ub, np.full(num_y, np.inf), np.full(num_q, float(cluster.num_nodes)),
                                  [max(1.0, alpha_ub)]])
         lower2 = np.concatenate([np.zeros(num_s + num_y + num_q), [1.0]])
-        res2 = milp(obj2, constraints=LinearConstraint(a2, lb2, ub2), integrality=np.concatenate([integrality, [0]]),
-                    bounds=Bounds(lower2, upper2), options=options)
+        with highs_quiet():
+            res2 = milp(obj2, constraints=LinearConstraint(a2, lb2, ub2),
+                        integrality=np.concatenate([integrality, [0]]), bounds=Bounds(lower2, upper2),
+                        options=options)
         if res2.x is not None:
             candidates.append(res2.x)
     best, best_ev = None, None
