@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli_trace import run_cli
+from conftest import run_cli
 
 
 def test_simulate_json_and_plots(monkeypatch, capsys, tmp_path: Path) -> None:

@@ -9,20 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from oserve.cli import main
+from conftest import run_cli
 
 
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-            *args: str) -> tuple[int, str, str]:
-    """Run `oserve ARGS` in this process through the real entry point; returns (code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["oserve", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_stats_json_on_bundled_trace(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

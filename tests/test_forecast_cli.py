@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import oserve.cli.forecast_cmds  # noqa: F401  (registers the commands until oserve.cli imports it)
-from oserve.cli import main
+from conftest import run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -21,15 +19,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["oserve", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_forecast_json_and_png(monkeypatch, capsys, tmp_path):

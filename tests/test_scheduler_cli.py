@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-import oserve.cli.plan_cmds  # noqa: F401  (registers the commands until oserve.cli imports it)
-from oserve.cli import main
 from oserve.cli.plan_cmds import parse_rates
 from oserve.errors import ConfigError
+from conftest import run_cli
 
 RATES = "SISO=30,SILO=5,LISO=12,LILO=3"
 
 
-def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-            *args: str) -> tuple[int, str, str]:
-    """Run `oserve ARGS` in this process through the real entry point; returns (code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["oserve", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plan_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
