@@ -118,19 +118,31 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+# Options shared by `up` and `worker` (one system configuration, run whole or one worker at a time).
+MODEL = typer.Option("llama2-7b", help="Model preset the simulated engines run.")
+GPUS = typer.Option(8, help="GPUs of the simulated cluster.")
+SPEEDUP = typer.Option(1.0, help="Clock speed relative to wall time.")
+SPAN_S = typer.Option(60.0, help="Forecast/planning span (clock seconds).")
+TRACE = typer.Option("azure-conv", help="Trace the workload types are fitted on.")
+PREFIX = typer.Option("oserve", help="Subject prefix.")
+TRACING = typer.Option("none", help="Span exporter: none, console or otlp.")
+OTLP_ENDPOINT = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint.")
+DURATION_S = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C).")
+
+
 @app.command("up")
 def up(
     nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
                                  help="NATS URL; empty starts an embedded nats-server."),
-    model: str = typer.Option("llama2-7b", help="Model preset the simulated engines run."),
-    gpus: int = typer.Option(8, help="GPUs of the simulated cluster."),
-    speedup: float = typer.Option(1.0, help="Clock speed relative to wall time."),
-    span_s: float = typer.Option(60.0, help="Forecast/planning span (clock seconds)."),
-    trace: str = typer.Option("azure-conv", help="Trace the workload types are fitted on."),
-    prefix: str = typer.Option("oserve", help="Subject prefix."),
-    tracing: str = typer.Option("none", help="Span exporter: none, console or otlp."),
-    otlp_endpoint: str = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint."),
-    duration_s: float = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C)."),
+    model: str = MODEL,
+    gpus: int = GPUS,
+    speedup: float = SPEEDUP,
+    span_s: float = SPAN_S,
+    trace: str = TRACE,
+    prefix: str = PREFIX,
+    tracing: str = TRACING,
+    otlp_endpoint: str = OTLP_ENDPOINT,
+    duration_s: float = DURATION_S,
     view: bool = typer.Option(False, "--view", help="Show a live terminal view of replicas, forecast and plan."),
 ) -> None:
     """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner."""
@@ -153,15 +165,15 @@ def worker(
     name: str = typer.Argument(..., help=f"One of: {', '.join(_WORKER_NAMES)}."),
     nats_url: str = typer.Option(..., "--nats", envvar="OSERVE_NATS_URL",
                                  help="NATS URL."),
-    model: str = typer.Option("llama2-7b", help="Model preset."),
-    gpus: int = typer.Option(8, help="GPUs of the cluster."),
-    speedup: float = typer.Option(1.0, help="Clock speed relative to wall time."),
-    span_s: float = typer.Option(60.0, help="Forecast/planning span (clock seconds)."),
-    trace: str = typer.Option("azure-conv", help="Trace the workload types are fitted on."),
-    prefix: str = typer.Option("oserve", help="Subject prefix."),
-    tracing: str = typer.Option("none", help="Span exporter: none, console or otlp."),
-    otlp_endpoint: str = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint."),
-    duration_s: float = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C)."),
+    model: str = MODEL,
+    gpus: int = GPUS,
+    speedup: float = SPEEDUP,
+    span_s: float = SPAN_S,
+    trace: str = TRACE,
+    prefix: str = PREFIX,
+    tracing: str = TRACING,
+    otlp_endpoint: str = OTLP_ENDPOINT,
+    duration_s: float = DURATION_S,
     epoch: float = typer.Option(0.0, help="Unix time at which the shared clock reads 0; give every worker the "
                                            "same one (0: this process's start)."),
 ) -> None:
