@@ -154,6 +154,10 @@ class SimReplica:
         self.tbt = tbt_histogram if tbt_histogram is not None else TokenHistogram()
         self.accepting = True
         self.rejected: list[SimRequest] = []  # requests that can never fit; the kernel drains this
+        # live migration, kept by the cluster kernel and read by balancers: KV blocks reserved for requests
+        # migrating here, and request_ids being copied off this replica (still decoding here meanwhile)
+        self.incoming_kv_blocks = 0
+        self.migrating_out: set[int] = set()
         self.num_steps = 0
         self.busy_s = 0.0
         self.step_token = 0  # changes whenever the pending step end changes; stale kernel events are skipped
@@ -206,15 +210,19 @@ class SimReplica:
 
     # --- the kernel's interface ----------------------------------------------------------------
 
-    def enqueue(self, req: SimRequest, now_s: float) -> float | None:
-        """Accept a request; returns the new step end when the kernel must (re)schedule one, else None."""
+    def enqueue(self, req: SimRequest, now_s: float, front: bool = False) -> float | None:
+        """Accept a request; returns the new step end when the kernel must (re)schedule one, else None.
+
+        `front` puts it at the head of the queue (a request migrating in with its KV resumes next step,
+        as a preempted one would), instead of behind the requests already waiting.
+        """
         req.replica_id = self.replica_id
         if self._blocks_for(req.input_tokens + req.output_tokens) > self.total_blocks:
             # It could never finish here: it would fill the cache, preempt itself and start over
             # forever. vLLM refuses such a request up front; so do we (the kernel reports it dropped).
             self.rejected.append(req)
             return None
-        self.add_waiting(req)
+        self.add_waiting(req, front)
         if self._busy:
             if self._run_k > 1:
                 token = self.step_token
@@ -223,9 +231,12 @@ class SimReplica:
             return None
         return self._start(max(now_s, self.available_s))
 
-    def add_waiting(self, req: SimRequest) -> None:
+    def add_waiting(self, req: SimRequest, front: bool = False) -> None:
         """Queue a request without starting a step (`enqueue` does both)."""
-        self.waiting.append(req)
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
         self._queued_tokens += req.prompt_tokens - req.prefilled
 
     def wake(self, now_s: float) -> float | None:
@@ -278,6 +289,23 @@ class SimReplica:
         self.waiting.clear()
         self._queued_tokens = 0
         return out
+
+    def decoding_requests(self) -> list[tuple[int, SimRequest]]:
+        """(context tokens, request) of every decoding request, in admission order. O(batch)."""
+        return [(r.offset + self.step_index, r) for r in self._dec.values()]
+
+    def is_decoding(self, req: SimRequest) -> bool:
+        """Whether `req` decodes here (it has its whole prompt and at least one token in this replica)."""
+        return req.decoding and self._dec.get(req.seq) is req
+
+    def take_decoding(self, req: SimRequest) -> SimRequest:
+        """Remove one decoding request, its context and generated tokens materialised and its KV blocks
+        freed (the caller moves the KV elsewhere or drops it); only between steps."""
+        if self._busy:
+            raise RuntimeError(f"{self.replica_id}: take_decoding during a step")
+        if not self.is_decoding(req):
+            raise ValueError(f"{self.replica_id}: request {req.request_id} is not decoding here")
+        return self._leave_decode(req)  # its lazy LIFO and finish-heap entries are skipped later
 
     def take_waiting(self) -> list[SimRequest]:
         out = list(self.waiting)
