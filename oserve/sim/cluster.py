@@ -13,7 +13,12 @@ kernel applies them:
   replicas: requests with at least `migrate_min_context_tokens` of context migrate with their KV
   cache, shorter ones are recomputed there;
 - new replicas start serving `switch_s` after the boundary (requests routed to them wait in their
-  queue meanwhile).
+  queue meanwhile);
+- live migration, for a policy with a `migration_interval_s` (and `plan_migrations`): every interval
+  the policy names running requests to move (`Migration`s). Each keeps decoding on its source for the
+  move's `precopy_s` (the KV copied while it runs), leaves the source at the next step boundary, and
+  after `downtime_s` (the last copy stage) is queued first on the destination with its KV, so it
+  resumes without a recompute. Policies without the attribute get no such events.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from oserve.sim.engine import SimReplica, SimRequest, TokenHistogram
 from oserve.specs import (ClusterSpec, Deployment, EngineConfig, GPUSpec, MemoryConfig, ModelSpec, Replica,
                           kv_capacity_tokens)
 
-ARRIVAL, STEP_END, SPAN, ACTIVATE, HANDOFF = 0, 1, 2, 3, 4
-# Same-time order: a step ending frees room before a span boundary re-plans, which goes before arrivals.
-_PRIORITY = {STEP_END: 0, HANDOFF: 1, ACTIVATE: 2, SPAN: 3, ARRIVAL: 4}
+ARRIVAL, STEP_END, SPAN, ACTIVATE, HANDOFF, MIGRATE, MIGRATE_OUT, MIGRATE_IN = 0, 1, 2, 3, 4, 5, 6, 7
+# Same-time order: a step ending frees room before a span boundary re-plans, which goes before arrivals;
+# live migration's events come last (a balancer looks at the state after the arrivals of that instant).
+_PRIORITY = {STEP_END: 0, HANDOFF: 1, ACTIVATE: 2, SPAN: 3, ARRIVAL: 4, MIGRATE_IN: 5, MIGRATE_OUT: 6, MIGRATE: 7}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,27 @@ class Decision:
     (free switching, as the oracle assumes: no request is disturbed)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """A policy's order to live-migrate one running request, with the move's modelled times."""
+
+    src_index: int
+    """Index of the source in the replicas the policy was shown."""
+    dst_index: int
+    request: SimRequest
+    """A request decoding on the source."""
+    kv_blocks: int
+    """KV blocks the destination reserves for it while it is in flight."""
+    precopy_s: float
+    """Seconds the KV copy overlaps decoding on the source before the request stops there."""
+    downtime_s: float
+    """Seconds between leaving the source and being queued on the destination (last copy stage)."""
+
+    def __post_init__(self) -> None:
+        if self.precopy_s < 0 or self.downtime_s < 0 or self.kv_blocks < 0:
+            raise ConfigError(f"Migration: negative time or blocks in {self}")
+
+
 @dataclass
 class SpanView:
     """What a policy may look at when a span starts."""
@@ -97,6 +124,10 @@ class Policy(Protocol):
 
     def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
         """Pick a replica index for a request, or None to use the decision's weights."""
+
+    # Optional, for live migration (the kernel checks with getattr):
+    # migration_interval_s: float | None — seconds between two `plan_migrations` calls; None: never.
+    # def plan_migrations(self, replicas: list[SimReplica], now_s: float) -> list[Migration]: ...
 
 
 class SmoothRouter:
@@ -233,6 +264,11 @@ class _Kernel:
         self.num_migrations = 0
         self.handoff_due: set[int] = set()
         self.all_replicas: list[SimReplica] = []  # id() of retired replicas to empty at their next step end
+        interval = getattr(policy, "migration_interval_s", None)
+        if interval is not None and not interval > 0:
+            raise ConfigError(f"{policy.name}: migration_interval_s must be positive or None, got {interval}")
+        self.migration_interval_s: float | None = interval if hasattr(policy, "plan_migrations") else None
+        self.leaving: dict[int, list[Migration]] = {}  # id(source) -> moves to detach at its next step end
 
     def push(self, t: float, kind: int, payload) -> None:
         self.seq += 1
@@ -306,6 +342,72 @@ class _Kernel:
                     req.drop_kv()
             self.dispatch(req, now)
 
+    # --- live migration ---------------------------------------------------------------------------
+
+    def on_migrate(self, now: float, arrivals_left: bool) -> None:
+        """Ask the policy what to move, start those moves, and tick again while there is work."""
+        for m in self.policy.plan_migrations(self.replicas, now):
+            if not (0 <= m.src_index < len(self.replicas) and 0 <= m.dst_index < len(self.replicas)):
+                raise ConfigError(f"{self.policy.name}: migration between replicas {m.src_index} -> {m.dst_index} "
+                                  f"of {len(self.replicas)}")
+            src, dst, req = self.replicas[m.src_index], self.replicas[m.dst_index], m.request
+            if src is dst or not dst.accepting or not src.is_decoding(req) or req.request_id in src.migrating_out:
+                continue  # not movable (any more): the policy's view was stale or it asked twice
+            src.migrating_out.add(req.request_id)
+            dst.incoming_kv_blocks += m.kv_blocks
+            self.push(now + m.precopy_s, MIGRATE_OUT, (src, dst, m))
+        busy = arrivals_left or self.pending or any(r.num_requests or r.migrating_out or r.incoming_kv_blocks
+                                                    for r in self.all_replicas)
+        if busy:
+            self.push(now + self.migration_interval_s, MIGRATE, None)
+
+    def cancel_migration(self, m_entry) -> None:
+        src, dst, m = m_entry
+        src.migrating_out.discard(m.request.request_id)
+        dst.incoming_kv_blocks -= m.kv_blocks
+
+    def migrate_out(self, entry, now: float) -> None:
+        """The pre-copy is done: stop the request on its source at the next step boundary."""
+        src, dst, m = entry
+        if not src.is_decoding(m.request) or id(src) in self.handoff_due:
+            self.cancel_migration(entry)  # it finished, was preempted or handed off meanwhile
+            return
+        if not src.busy:
+            self.detach(src, [entry], now)
+            self.schedule(src, src.wake(now))
+            return
+        self.leaving.setdefault(id(src), []).append(entry)
+        token = src.step_token
+        end = src.cut(now)
+        if token != src.step_token:
+            self.push(end, STEP_END, (src, src.step_token))
+
+    def detach(self, src: SimReplica, entries: list, now: float) -> None:
+        """Take the requests of `entries` off `src` (between its steps) and put them in flight."""
+        for entry in entries:
+            req = entry[2].request
+            if not src.is_decoding(req):
+                self.cancel_migration(entry)
+                continue
+            src.take_decoding(req)
+            src.migrating_out.discard(req.request_id)
+            self.num_migrations += 1
+            req.num_migrations += 1
+            req.blocks = 0  # re-reserved on the destination; context and tokens stay
+            # on the destination its next step is a one-token chunk over the migrated context (as a
+            # decode step would be), so it is timed and emits a token
+            req.prompt_tokens = req.prefilled + 1
+            self.push(now + entry[2].downtime_s, MIGRATE_IN, entry)
+
+    def migrate_in(self, entry, now: float) -> None:
+        """The last copy stage is done: the request resumes on its destination, first in the queue."""
+        src, dst, m = entry
+        dst.incoming_kv_blocks -= m.kv_blocks
+        if dst.accepting and any(r is dst for r in self.replicas):
+            self.schedule(dst, dst.enqueue(m.request, now, front=True))
+        else:
+            self.dispatch(m.request, now)  # the destination retired meanwhile: any current replica, KV kept
+
     def on_span(self, i: int, now: float) -> None:
         span_s = self.config.span_s
         view = SpanView(i, now, span_s, self.true_counts[:i], self.true_counts[i] if i < self.num_spans else None,
@@ -327,6 +429,8 @@ class _Kernel:
         arrival_s = self.arrival_s
         heap = self.heap
         self.push(self.t0, SPAN, 0)
+        if self.migration_interval_s is not None:
+            self.push(self.t0 + self.migration_interval_s, MIGRATE, None)
         next_arrival = 0
         num_events = 0
         report_every = max(1, n // 200)
@@ -352,7 +456,14 @@ class _Kernel:
                     continue
                 if id(rep) in self.handoff_due:
                     rep.on_step_end(now, start_next=False)  # finish the step in progress, then empty it
+                    for m in self.leaving.pop(id(rep), ()):
+                        self.cancel_migration(m)
                     self.hand_off(rep, now)
+                    continue
+                if self.leaving and id(rep) in self.leaving:
+                    rep.on_step_end(now, start_next=False)
+                    self.detach(rep, self.leaving.pop(id(rep)), now)
+                    self.schedule(rep, rep.wake(now))
                     continue
                 out = rep.on_step_end(now)
                 self.schedule(rep, out.next_end_s)
@@ -370,6 +481,12 @@ class _Kernel:
                         self.push(end, STEP_END, (rep, rep.step_token))
                 else:
                     self.hand_off(rep, now)
+            elif kind == MIGRATE:
+                self.on_migrate(now, next_arrival < n)
+            elif kind == MIGRATE_OUT:
+                self.migrate_out(payload, now)
+            elif kind == MIGRATE_IN:
+                self.migrate_in(payload, now)
         if progress is not None:
             progress(1.0)
         reqs = self.reqs
