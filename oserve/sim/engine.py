@@ -305,7 +305,10 @@ class SimReplica:
             raise RuntimeError(f"{self.replica_id}: take_decoding during a step")
         if not self.is_decoding(req):
             raise ValueError(f"{self.replica_id}: request {req.request_id} is not decoding here")
-        return self._leave_decode(req)  # its lazy LIFO and finish-heap entries are skipped later
+        self._leave_decode(req)  # its lazy LIFO and finish-heap entries are skipped later
+        # the aggregate does not track token times: its last token came at the end of the last step
+        req.last_token_s = self._run_end_s
+        return req
 
     def take_waiting(self) -> list[SimRequest]:
         out = list(self.waiting)
