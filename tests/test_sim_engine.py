@@ -116,6 +116,12 @@ def test_preemption_happens_under_kv_pressure_and_loses_nothing():
     done = _drain(rep)
     assert len(done) == 40
     assert sum(r.num_preemptions for r in done) > 0
+    # A request's token gaps add up to its first-to-last-token time, preemptions included: the gap a
+    # preemption causes is counted from the last token before it, not from the first token.
+    hist = rep.tbt
+    total_gaps = sum(c * hist.MIN_S * math.exp((b + 0.5) * hist.LOG_BASE) for b, c in hist.counts.items())
+    assert hist.total == sum(r.output_tokens - 1 for r in done)
+    assert total_gaps == pytest.approx(sum(r.finish_s - r.first_token_s for r in done), rel=0.01)
 
 
 def test_decode_runs_are_skipped():

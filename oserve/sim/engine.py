@@ -306,8 +306,6 @@ class SimReplica:
         if not self.is_decoding(req):
             raise ValueError(f"{self.replica_id}: request {req.request_id} is not decoding here")
         self._leave_decode(req)  # its lazy LIFO and finish-heap entries are skipped later
-        # the aggregate does not track token times: its last token came at the end of the last step
-        req.last_token_s = self._run_end_s
         return req
 
     def take_waiting(self) -> list[SimRequest]:
@@ -347,6 +345,9 @@ class SimReplica:
         self.free_blocks += r.blocks
         r.blocks = 0
         r.decoding = False
+        # The aggregate keeps no per-request token times; r's last token came at the end of the last
+        # step (the gap to its next token, after a preemption or a move, is then measured from there).
+        r.last_token_s = self._run_end_s
         return r
 
     def _crossings(self, k: int) -> int:
