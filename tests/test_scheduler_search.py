@@ -345,3 +345,64 @@ def test_dominance() -> None:
     assert not dominates(small, np.array([3.0, 2.0]), big, np.array([6.0, 5.0]))
     assert not dominates(ReplicaShape(4, 1), np.array([9.0]), ReplicaShape(2, 2), np.array([1.0]))  # 4 does not divide 2
     assert not dominates(big, np.array([100.0]), small, np.array([1.0]))  # more GPUs
+
+
+# --- phase three: fewest replicas within a headroom slack -------------------------------------------------------
+
+
+def brute_force_fewest(problem: PlanningProblem, floor_alpha: float) -> int | None:
+    """Fewest replicas over every multiset that packs and serves all demand with alpha >= floor_alpha
+    (peak utilisation <= 1 / floor_alpha), by the per-replica LP; None when none does."""
+    shapes = problem.shapes
+    best: int | None = None
+
+    def rec(i: int, left: int, chosen: list[int]) -> None:
+        nonlocal best
+        if best is not None and len(chosen) >= best:
+            return
+        if i == len(shapes):
+            if not chosen or not problem.packs(np.bincount(chosen, minlength=len(shapes))):
+                return
+            a = assign(problem.demand_rps, [problem.capacity_rps[s] for s in chosen])
+            if a.served_rps >= sum(problem.demand_rps) * (1 - 1e-7) and a.peak_utilisation <= (1 + 1e-6) / floor_alpha:
+                best = len(chosen)
+            return
+        for c in range(left // shapes[i].num_gpus + 1):
+            rec(i + 1, left - c * shapes[i].num_gpus, chosen + [i] * c)
+
+    rec(0, problem.cluster.num_gpus, [])
+    return best
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 10_000), slack=st.sampled_from([0.02, 0.1, 0.3]))
+def test_fewer_replicas_phase_is_the_fewest_within_the_slack(seed: int, slack: float) -> None:
+    """Phase three keeps alpha within the slack of the exact optimum and uses the fewest replicas that
+    do (checked against brute force); the completed plan is still valid and serves all demand."""
+    from oserve.scheduler.problem import Evaluator
+    from oserve.scheduler.search import _milp_counts
+
+    shapes = tuple(s for s in valid_shapes(LLAMA70, gpu_preset("h100"), 8, 8) if s.pp <= 2)
+    base = problem_for(seed, 8, shapes=shapes)
+    exact = search_problem("milp", base)
+    light = PlanningProblem(base.cluster, base.shapes, base.type_names,
+                            tuple(r * 0.3 * exact.served_frac for r in base.demand_rps), base.capacity_rps)
+    exact = search_problem("milp", light)
+    if exact.served_frac < 1 - 1e-7 or exact.throughput_rps == 0:
+        return
+    alpha_star = 1.0 / exact.peak_utilisation
+    config = SearchConfig(fewer_replicas_slack=slack)
+    counts = _milp_counts(light, config, Evaluator(light))
+    ev = light.evaluate(counts)
+    assert ev.throughput_rps == pytest.approx(exact.throughput_rps, rel=1e-6)
+    assert ev.peak_utilisation <= (1 + 1e-5) / (alpha_star * (1 - slack))
+    fewest = brute_force_fewest(light, max(1.0, alpha_star * (1 - slack)))
+    assert fewest is not None and int(counts.sum()) == fewest
+    plan = search_problem("milp", light, config=config)
+    assert_valid_plan(plan, light)
+    assert plan.served_frac == pytest.approx(1.0)
+
+
+def test_fewer_replicas_slack_is_validated() -> None:
+    with pytest.raises(ConfigError, match="fewer_replicas_slack"):
+        SearchConfig(fewer_replicas_slack=1.0)

@@ -22,6 +22,8 @@ Three searches behind one interface, `search(name, ...) -> Plan`:
   the factor by which the demand could grow and still be served (peak utilisation 1/alpha), over counts
   and flows together. If demand exceeds what can be served every replica is saturated whatever the
   deployment, so there is no tie to break.
+  An optional phase three (`SearchConfig.fewer_replicas_slack`, off by default) gives up to that
+  fraction of alpha for the fewest replicas; the simulator's OServe policy turns it on.
 
 Every search returns the replicas placed on physical GPUs (`packing.place`) and the per-replica
 assignment (each shape's flows split evenly over its replicas). Among equal throughputs (relative
@@ -64,6 +66,11 @@ class SearchConfig:
     """Per MILP phase; on hitting it the best solution found so far is used."""
     milp_rel_gap: float = 1e-7
     """Relative optimality gap HiGHS must close (its default, 1e-4, is too loose for exactness)."""
+    fewer_replicas_slack: float = 0.0
+    """milp only. When > 0 and all demand is served, a third phase trades up to this fraction of phase
+    two's headroom (alpha) for the fewest replicas: near-equal capacities are common (Llama-2-70B's
+    shapes lie within a few percent per GPU), and among them fewer, larger replicas pool bursts and
+    keep their batches' tails shorter. 0 keeps the search exact."""
 
     def __post_init__(self) -> None:
         if self.paper_patience < 1 or self.paper_max_iterations < 1 or self.paper_branching < 1:
@@ -71,6 +78,8 @@ class SearchConfig:
                               f"{self.paper_max_iterations}, {self.paper_branching}")
         if self.exhaustive_max_gpus < 1:
             raise ConfigError(f"SearchConfig: exhaustive_max_gpus must be >= 1, got {self.exhaustive_max_gpus}")
+        if not 0 <= self.fewer_replicas_slack < 1:
+            raise ConfigError(f"SearchConfig: fewer_replicas_slack must be in [0, 1), got {self.fewer_replicas_slack}")
         if not self.milp_time_limit_s > 0 or not 0 <= self.milp_rel_gap < 1:
             raise ConfigError(f"SearchConfig: milp_time_limit_s must be > 0 and milp_rel_gap in [0, 1), got "
                               f"{self.milp_time_limit_s}, {self.milp_rel_gap}")
@@ -395,6 +404,22 @@ def _milp_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Evalu
                         options=options)
         if res2.x is not None:
             candidates.append(res2.x)
+            if config.fewer_replicas_slack > 0:
+                # Phase three: the fewest replicas keeping alpha >= (1 - slack) x phase two's.
+                floor = max(1.0, float(res2.x[-1]) * (1.0 - config.fewer_replicas_slack))
+                obj3 = np.zeros(num_s + num_y + num_q + 1)
+                obj3[:num_s] = 1.0
+                lower3 = lower2.copy()
+                lower3[-1] = floor
+                with highs_quiet():
+                    res3 = milp(obj3, constraints=LinearConstraint(a2, lb2, ub2),
+                                integrality=np.concatenate([integrality, [0]]), bounds=Bounds(lower3, upper2),
+                                options=options)
+                if res3.x is not None:
+                    counts3 = np.zeros(len(problem.shapes), dtype=int)
+                    counts3[keep] = np.round(res3.x[:num_s]).astype(int)
+                    if problem.packs(counts3) and evaluate(counts3).peak_utilisation <= (1 + 1e-6) / floor:
+                        return counts3
     best, best_ev = None, None
     for x in candidates:  # phase two wins unless a time limit cut it short
         counts = np.zeros(len(problem.shapes), dtype=int)
