@@ -53,8 +53,9 @@ def shifting_trace(seed: int = 0) -> Trace:
 
 def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> None:
     subjects = unique_subjects()
+    # the exact search (no fewest-replicas phase): its plan for this shift changes shape, so a switch runs
     config = SystemConfig(subjects=subjects, model="llama2-70b", gpus=8, span_s=SPAN_S, speedup=10.0,
-                          engine_start_s=0.5, heartbeat_interval_wall_s=0.1)
+                          engine_start_s=0.5, heartbeat_interval_wall_s=0.1, fewer_replicas_slack=0.0)
     trace = shifting_trace()
 
     async def main() -> dict:

@@ -33,6 +33,7 @@ from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Tracer
 
 from oserve.observability.tracing import extract, inject
+from oserve.scheduler.search import SearchConfig
 from oserve.sim.cluster import Decision, SpanView
 from oserve.sim.policies import Forecaster, LastSpanForecaster, OServePolicy, PlanningContext
 from oserve.specs import Deployment, Replica, ReplicaShape
@@ -248,11 +249,12 @@ class SchedulerWorker(Worker):
     name = "scheduler"
 
     def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock, ctx: PlanningContext, *,
-                 search_name: str = "milp", tracer: Tracer | None = None) -> None:
+                 search_name: str = "milp", fewer_replicas_slack: float = 0.02, tracer: Tracer | None = None) -> None:
         super().__init__()
         self.nc, self.kv, self.config, self.clock, self.ctx, self.tracer = nc, kv, config, clock, ctx, tracer
         self._given = _GivenRates()
-        self.policy = OServePolicy(ctx, self._given, search_name=search_name)
+        self.policy = OServePolicy(ctx, self._given, search_name=search_name,
+                                   search_config=SearchConfig(fewer_replicas_slack=fewer_replicas_slack))
         self.current: Decision | None = None
         self.history: list[list[int]] = []
         self.strategies: list[StrategyChosen] = []

@@ -51,6 +51,8 @@ class SystemConfig:
     """Unix time at which the clock reads 0; workers in different processes given the same epoch share one
     clock. None: the clock starts at 0 when the system does."""
     search: str = "milp"
+    fewer_replicas_slack: float = 0.02
+    """Headroom the deployment MILP may give up for fewer replicas (`SearchConfig.fewer_replicas_slack`)."""
     engine_start_s: float = 8.0
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5
@@ -64,6 +66,8 @@ class SystemConfig:
         if self.gpus < 1 or self.num_types < 1 or not self.span_s > 0 or not self.speedup > 0:
             raise ValueError(f"SystemConfig: gpus, num_types, span_s and speedup must be positive, got "
                              f"{self.gpus}, {self.num_types}, {self.span_s}, {self.speedup}")
+        if not 0 <= self.fewer_replicas_slack < 1:
+            raise ValueError(f"SystemConfig.fewer_replicas_slack must be in [0, 1), got {self.fewer_replicas_slack}")
         if self.engine_start_s < 0 or self.heartbeat_interval_wall_s <= 0:
             raise ValueError(f"SystemConfig: engine_start_s must be >= 0 and heartbeat_interval_wall_s > 0, got "
                              f"{self.engine_start_s}, {self.heartbeat_interval_wall_s}")
@@ -134,7 +138,8 @@ class LiveSystem:
             await self.forecaster.start()
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
-                                             self.inputs.ctx, search_name=cfg.search, tracer=tracer)
+                                             self.inputs.ctx, search_name=cfg.search,
+                                             fewer_replicas_slack=cfg.fewer_replicas_slack, tracer=tracer)
             await self.scheduler.start()
 
     def _workers(self):

@@ -10,7 +10,8 @@ in what they know and what they may deploy:
 - `oracle`: like `oserve` but with the coming span's true rates and free switching.
 - `vllm-reload`: the best homogeneous deployment for the forecast, each span, reloading from disk.
 - `vllm-static`: one homogeneous deployment for the whole trace (the caller picks the best).
-- `llumnix`: a homogeneous deployment; every request to the least-loaded replica.
+- `llumnix`: a homogeneous deployment; every request to the freest replica, running requests migrated
+  off overloaded replicas (`oserve.sim.llumnix`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from oserve.capacity import CapacityTable
 from oserve.errors import ConfigError, InfeasibleError
 from oserve.scheduler import Plan, assign, search
+from oserve.scheduler.search import SearchConfig
 from oserve.scheduler.packing import place
 from oserve.sim.cluster import Decision, SpanView
 from oserve.sim.engine import SimReplica, SimRequest
@@ -282,11 +284,19 @@ class OServePolicy(_Base):
     when the forecast is off (a type the forecast underestimates overloads the replicas it was given
     while others idle); least-loaded within the affinity keeps the heterogeneous split and absorbs the
     forecast error.
-"""
+
+    Planning: the MILP with its third phase on (`search_config.fewer_replicas_slack`, 2%): among
+    deployments within 2% of the best headroom, the fewest replicas. The shapes of Llama-2-70B lie
+    within a few percent of each other per GPU, so the exact optimum is decided by modelling noise;
+    fewer, larger replicas pool bursts. Measured (llama2-70b, 16 GPUs, `compare`): P99 on 30 minutes of
+    azure-code 55.7 s -> 30.1 s, S1 / T4 / azure-conv unchanged (24.6 / 27.0 / 29.7 s).
+    """
 
     def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None, search_name: str = "milp",
-                 oracle: bool = False, headroom: float = 1.0, name: str | None = None) -> None:
+                 oracle: bool = False, headroom: float = 1.0, name: str | None = None,
+                 search_config: SearchConfig = SearchConfig(fewer_replicas_slack=0.02)) -> None:
         self.ctx = ctx
+        self.search_config = search_config
         self.forecaster = forecaster or LastSpanForecaster()
         self.search_name = search_name
         self.oracle = oracle
@@ -315,7 +325,7 @@ class OServePolicy(_Base):
     def _decide(self, view: SpanView) -> Decision:
         rates = self._rates(view) * self.headroom
         ctx = self.ctx
-        plan: Plan = search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table)
+        plan: Plan = search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table, config=self.search_config)
         current = view.current
         old = current.deployment if current else Deployment.empty()
         target = stabilize(old, plan.deployment, ctx.cluster)
@@ -405,6 +415,9 @@ class StaticPolicy(_Base):
         return least_loaded_among(replicas, None)
 
 
-def llumnix(ctx: PlanningContext, deployment: Deployment) -> StaticPolicy:
-    """Homogeneous replicas; each request to the replica with the least KV load (used + queued)."""
-    return StaticPolicy(ctx, deployment, name="llumnix", least_loaded=True)
+def llumnix(ctx: PlanningContext, deployment: Deployment):
+    """Homogeneous replicas; Llumnix's freeness dispatch and live migration of running requests
+    (`oserve.sim.llumnix`)."""
+    from oserve.sim.llumnix import LlumnixPolicy
+
+    return LlumnixPolicy(ctx, deployment)
