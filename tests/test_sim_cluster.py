@@ -140,6 +140,47 @@ def test_build_scenario_scales_to_the_requested_load():
     assert s5.cv > s1.cv
 
 
+def test_traces_are_scaled_by_their_busy_minutes_not_their_mean():
+    """A trace's 90th-percentile minute lands at the requested load (the mean lies below it)."""
+    from oserve.sim.evaluate import minute_loads
+
+    cluster = cluster_for_gpus(16)
+    sc = build_scenario("azure-code", LLAMA, H100, cluster, load=0.8, minutes=30)
+    loads = minute_loads(sc.workload, sc.table, cluster)
+    assert float(np.quantile(loads[:-1], 0.9)) == pytest.approx(0.8, rel=0.1)
+    assert loads.mean() < 0.7
+
+
+def test_servegen_scenario_reaches_the_load_and_shifts_its_mix():
+    from oserve.sim.evaluate import minute_loads
+
+    cluster = cluster_for_gpus(16)
+    sc = build_scenario("servegen-m-mid", LLAMA, H100, cluster, load=0.6, minutes=30)
+    assert sc.name == "servegen-m-mid" and len(sc.workload) > 1000
+    loads = minute_loads(sc.workload, sc.table, cluster)
+    assert float(np.quantile(loads[:-1], 0.9)) == pytest.approx(0.6, rel=0.1)
+    w = sc.workload
+    ten = ((w.arrival_s - w.arrival_s.min()) // 600).astype(int)
+    shares = np.array([np.bincount(w.type_index[ten == t], minlength=4) / max((ten == t).sum(), 1)
+                       for t in range(ten.max() + 1)])
+    assert np.abs(np.diff(shares, axis=0)).max() > 0.05  # the mix moves between windows
+
+
+def test_static_candidates_are_every_near_best_homogeneous_deployment(conv):
+    from oserve.sim.evaluate import EvalConfig, compare, static_capacity_rps, mean_mix
+
+    trace, types, table = conv
+    cluster = cluster_for_gpus(16)
+    w = from_trace(trace.slice_time(0, 120), types)
+    ranked = static_capacity_rps(table, cluster, mean_mix(w, 4))
+    near = [s for c, s in ranked if c >= 0.95 * ranked[0][0]]
+    c = compare(LLAMA, H100, cluster, w, table, policies=("vllm-static",),
+                config=EvalConfig(static_candidates=99, static_min_capacity_frac=0.95))
+    assert list(c.static_tried) == [str(s) for s in near]
+    best = min(c.static_tried.values())
+    assert c.results["vllm-static"].percentile("e2e", 99) == best
+
+
 def test_a_prompt_larger_than_any_kv_cache_is_dropped_with_a_reason(conv):
     _, _, table = conv
     cluster = cluster_for_gpus(8)

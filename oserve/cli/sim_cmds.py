@@ -93,12 +93,13 @@ def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], l
 
 @app.command("simulate")
 def simulate_cmd(
-    trace: str = typer.Option("azure-conv", help="A trace file, azure-conv / azure-code, S1-S5 or T1-T4."),
+    trace: str = typer.Option("azure-conv", help="A trace file, azure-conv / azure-code, S1-S5, T1-T4 or "
+                                                 "servegen-m-large / servegen-m-mid."),
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster (whole 8-GPU nodes above 8)."),
     policy: str = typer.Option("all", help="all, or a comma-separated list of oserve, vllm-static, vllm-reload, "
                                            "llumnix, oracle."),
-    load: float = typer.Option(0.8, help="Mean demand as a fraction of the best homogeneous capacity."),
+    load: float = typer.Option(0.8, help="Demand of the 90th-percentile minute (compositions: the mean) as a fraction of the best homogeneous capacity."),
     minutes: float = typer.Option(None, help="Cut a trace to this long (or set a composition's length)."),
     span: float = typer.Option(60.0, help="Re-planning span in seconds."),
     seed: int = typer.Option(0, help="Seed for scaling and sampling the workload."),
@@ -146,14 +147,15 @@ def simulate_cmd(
                     f"); simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
 
 
-E2E_SCENARIOS = ("S1", "S2", "S3", "S4", "S5", "T1", "T2", "T3", "T4", "azure-conv", "azure-code")
+E2E_SCENARIOS = ("S1", "S2", "S3", "S4", "S5", "T1", "T2", "T3", "T4", "azure-conv", "azure-code", "servegen-m-large",
+                 "servegen-m-mid")
 
 
 @bench_app.command("e2e")
 def bench_e2e(
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster."),
-    load: float = typer.Option(0.8, help="Mean demand as a fraction of the best homogeneous capacity."),
+    load: float = typer.Option(0.8, help="Demand of the 90th-percentile minute (compositions: the mean) as a fraction of the best homogeneous capacity."),
     scenarios: str = typer.Option(",".join(E2E_SCENARIOS), help="Comma-separated scenario names."),
     extra_32: bool = typer.Option(True, help="Also run azure-conv on 32 GPUs."),
     minutes: float = typer.Option(None, help="Length of each scenario (default: 20 min per composition, "
