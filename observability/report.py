@@ -89,3 +89,34 @@ def rates_and_forecast(spans: list[dict], type_names: tuple[str, ...], span_s: f
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
+    """OServe's P99 speedup over each baseline per scenario (bars), and against the mix's CV (scatter).
+
+    `rows`: `oserve bench e2e` scenario rows (name, cv, speedup_p99: baseline -> ratio).
+    """
+    plt = _plt()
+    baselines = [b for b in ("vllm-static", "vllm-reload", "llumnix", "oracle")
+                 if any(b in r["speedup_p99"] for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
+    x = np.arange(len(rows))
+    width = 0.8 / max(len(baselines), 1)
+    for i, b in enumerate(baselines):
+        vals = [r["speedup_p99"].get(b, np.nan) for r in rows]
+        axes[0].bar(x + (i - (len(baselines) - 1) / 2) * width, vals, width, label=b)
+        axes[1].scatter([r["cv"] for r in rows], vals, label=b, s=22)
+    axes[0].axhline(1.0, color="black", lw=0.8)
+    axes[0].set_xticks(x, [r["name"] for r in rows], rotation=45, ha="right")
+    axes[0].set_ylabel("P99 of baseline / P99 of OServe")
+    axes[0].legend(fontsize=8)
+    axes[0].grid(axis="y", alpha=0.3)
+    axes[1].axhline(1.0, color="black", lw=0.8)
+    axes[1].set_xlabel("coefficient of variation of the type mix")
+    axes[1].set_ylabel("speedup")
+    axes[1].grid(alpha=0.3)
+    fig.suptitle(title or "OServe's P99 end-to-end speedup (>1: OServe better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -56,15 +56,22 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
         assert (tmp_path / name).exists()
 
 
-def test_bench_e2e_json(monkeypatch, capsys) -> None:
-    code, out, err = run_cli(monkeypatch, capsys, "bench", "e2e", "--scenarios", "S5", "--minutes", "1",
-                             "--no-extra-32", "--json")
+def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "e2e", "--scenarios", "S5,S1,servegen-m-mid", "--minutes",
+                             "1", "--no-extra-32", "--json", "--out", str(tmp_path))
     assert code == 0, err
     result = json.loads(out)
-    (row,) = result["scenarios"]
-    assert row["name"] == "S5@16" and row["cv"] > 0.5
-    assert set(row["p99"]) == {"oserve", "vllm-static", "vllm-reload", "llumnix", "oracle"}
+    s5, s1, sg = result["scenarios"]
+    assert s5["name"] == "S5@16" and s5["cv"] > 0.5 and s1["cv"] < s5["cv"]
+    assert sg["name"] == "servegen-m-mid@16" and sg["requests"] > 0
+    for row in result["scenarios"]:
+        assert set(row["p99"]) == {"oserve", "vllm-static", "vllm-reload", "llumnix", "oracle"}
+        for k, v in row["speedup_p99"].items():
+            assert v == pytest.approx(row["p99"][k] / row["p99"]["oserve"])
     assert set(result["mean_speedup_p99"]) == {"vllm-static", "vllm-reload", "llumnix", "oracle"}
+    assert set(result["cv_rank_correlation"]) == {"vllm-static", "vllm-reload", "llumnix"}
+    assert json.loads((tmp_path / "e2e.json").read_text())["scenarios"] == result["scenarios"]
+    assert (tmp_path / "speedups.png").stat().st_size > 10_000
 
 
 def test_demo_ctrl_c_drains_and_exits_130(tmp_path: Path) -> None:

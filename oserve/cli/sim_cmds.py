@@ -147,6 +147,17 @@ def simulate_cmd(
                     f"); simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
 
 
+def _rank_correlation(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation of the finite pairs (nan with fewer than 3). Pure."""
+    from scipy.stats import spearmanr
+
+    pairs = [(a, b) for a, b in zip(x, y) if math.isfinite(a) and math.isfinite(b)]
+    if len(pairs) < 3:
+        return math.nan
+    rho = spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic
+    return float(rho) if math.isfinite(rho) else math.nan
+
+
 E2E_SCENARIOS = ("S1", "S2", "S3", "S4", "S5", "T1", "T2", "T3", "T4", "azure-conv", "azure-code", "servegen-m-large",
                  "servegen-m-mid")
 
@@ -161,8 +172,9 @@ def bench_e2e(
     minutes: float = typer.Option(None, help="Length of each scenario (default: 20 min per composition, "
                                              "30 min per sequence, whole traces)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Path = typer.Option(None, help="Write e2e.json and speedups.png (bars per scenario, speedup vs mix CV) here."),
 ) -> None:
-    """OServe's P99 against each baseline on the paper's scenarios and the Azure traces."""
+    """OServe's P99 against each baseline on the paper's scenarios, the Azure traces and ServeGen."""
     from oserve.sim.evaluate import POLICIES
 
     console = Console(stderr=True)
@@ -187,7 +199,17 @@ def bench_e2e(
     result = {"model": model, "load": load, "scenarios": rows, "seconds": time.perf_counter() - start,
               "mean_speedup_p99": {k: mean(k) for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
               "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
-                                  for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")}}
+                                  for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
+              "cv_rank_correlation": {k: _rank_correlation([r["cv"] for r in rows],
+                                                           [r["speedup_p99"].get(k, math.nan) for r in rows])
+                                      for k in ("vllm-static", "vllm-reload", "llumnix")}}
+    if out is not None:
+        from oserve.observability import report
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "e2e.json").write_text(json.dumps(result, indent=2))
+        report.speedups(rows, out / "speedups.png", f"{model} at load {load}: OServe's P99 speedup")
+        result["report"] = str(out)
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return

@@ -233,7 +233,7 @@ def _servegen_scenario(name: str, model: ModelSpec, gpu: GPUSpec, cluster: Clust
 
     data = load_servegen(name)
     mins = minutes or 60.0
-    start = default_start_s(data, mins)
+    start = default_start_s(data, min(360.0, max(10.0, 10.0 * math.ceil(mins / 10.0))))  # whole windows
     types = servegen_types(data, start_s=start, minutes=mins)
     table = CapacityTable(model, gpu, types, target, gpus_per_node=cluster.gpus_per_node)
     pilot_scale = min(1.0, 20.0 / max(slice_mean_rps(data, start, mins), 1e-9))  # ~20 requests/s: the shape only
