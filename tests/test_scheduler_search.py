@@ -350,22 +350,25 @@ def test_dominance() -> None:
 # --- phase three: fewest replicas within a headroom slack -------------------------------------------------------
 
 
-def brute_force_fewest(problem: PlanningProblem, floor_alpha: float) -> int | None:
+def brute_force_fewest(problem: PlanningProblem, floor_alpha: float) -> tuple[int, float] | None:
     """Fewest replicas over every multiset that packs and serves all demand with alpha >= floor_alpha
-    (peak utilisation <= 1 / floor_alpha), by the per-replica LP; None when none does."""
+    (peak utilisation <= 1 / floor_alpha), by the per-replica LP, and the least peak utilisation among
+    multisets of that many replicas; None when none does."""
     shapes = problem.shapes
-    best: int | None = None
+    best: tuple[int, float] | None = None
 
     def rec(i: int, left: int, chosen: list[int]) -> None:
         nonlocal best
-        if best is not None and len(chosen) >= best:
+        if best is not None and len(chosen) > best[0]:
             return
         if i == len(shapes):
             if not chosen or not problem.packs(np.bincount(chosen, minlength=len(shapes))):
                 return
             a = assign(problem.demand_rps, [problem.capacity_rps[s] for s in chosen])
             if a.served_rps >= sum(problem.demand_rps) * (1 - 1e-7) and a.peak_utilisation <= (1 + 1e-6) / floor_alpha:
-                best = len(chosen)
+                key = (len(chosen), a.peak_utilisation)
+                if best is None or key < best:
+                    best = key
             return
         for c in range(left // shapes[i].num_gpus + 1):
             rec(i + 1, left - c * shapes[i].num_gpus, chosen + [i] * c)
@@ -374,11 +377,12 @@ def brute_force_fewest(problem: PlanningProblem, floor_alpha: float) -> int | No
     return best
 
 
-@settings(max_examples=8)
+@settings(max_examples=15)
 @given(seed=st.integers(0, 10_000), slack=st.sampled_from([0.02, 0.1, 0.3]))
 def test_fewer_replicas_phase_is_the_fewest_within_the_slack(seed: int, slack: float) -> None:
     """Phase three keeps alpha within the slack of the exact optimum and uses the fewest replicas that
-    do (checked against brute force); the completed plan is still valid and serves all demand."""
+    do, with the most headroom among those (checked against brute force); the completed plan is still
+    valid and serves all demand."""
     from oserve.scheduler.problem import Evaluator
     from oserve.scheduler.search import _milp_counts
 
@@ -397,7 +401,8 @@ def test_fewer_replicas_phase_is_the_fewest_within_the_slack(seed: int, slack: f
     assert ev.throughput_rps == pytest.approx(exact.throughput_rps, rel=1e-6)
     assert ev.peak_utilisation <= (1 + 1e-5) / (alpha_star * (1 - slack))
     fewest = brute_force_fewest(light, max(1.0, alpha_star * (1 - slack)))
-    assert fewest is not None and int(counts.sum()) == fewest
+    assert fewest is not None and int(counts.sum()) == fewest[0]
+    assert ev.peak_utilisation <= fewest[1] + 1e-5  # the most headroom among the fewest
     plan = search_problem("milp", light, config=config)
     assert_valid_plan(plan, light)
     assert plan.served_frac == pytest.approx(1.0)

@@ -330,7 +330,9 @@ def _paper_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Eval
 
 
 def _milp_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Evaluator) -> np.ndarray:
-    dominated = set(problem.dominated_shapes())
+    # Dominated shapes cannot improve throughput or headroom, but one of them may stand in for several
+    # replicas of the shape dominating it, so the fewest-replicas phase needs them all.
+    dominated = set(problem.dominated_shapes()) if config.fewer_replicas_slack == 0 else set()
     keep = np.array([s for s in range(len(problem.shapes)) if s not in dominated])
     used_j = np.nonzero(problem.lam > 0)[0]
     if used_j.size == 0:
@@ -405,10 +407,12 @@ def _milp_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Evalu
         if res2.x is not None:
             candidates.append(res2.x)
             if config.fewer_replicas_slack > 0:
-                # Phase three: the fewest replicas keeping alpha >= (1 - slack) x phase two's.
+                # Phase three: the fewest replicas keeping alpha >= (1 - slack) x phase two's, and among
+                # those the largest alpha (its weight keeps it below one replica).
                 floor = max(1.0, float(res2.x[-1]) * (1.0 - config.fewer_replicas_slack))
                 obj3 = np.zeros(num_s + num_y + num_q + 1)
                 obj3[:num_s] = 1.0
+                obj3[-1] = -0.5 / float(upper2[-1])
                 lower3 = lower2.copy()
                 lower3[-1] = floor
                 with highs_quiet():
