@@ -7,7 +7,8 @@ in what they know and what they may deploy:
 - `oserve`: forecast of the next span (a forecaster object, or the last span's rates) -> the MILP
   deployment over every shape -> switch GPU-to-GPU when the gain over the span outweighs the capacity
   lost while switching.
-- `oracle`: like `oserve` but with the coming span's true rates and free switching.
+- `oracle`: like `oserve` but with the coming span's true rates and free switching (its switch rule
+  weighs the gain against a zero cost; retired replicas finish what they run).
 - `vllm-reload`: the best homogeneous deployment for the forecast, each span, reloading from disk.
 - `vllm-static`: one homogeneous deployment for the whole trace (the caller picks the best).
 - `llumnix`: a homogeneous deployment; every request to the freest replica, running requests migrated
@@ -348,7 +349,7 @@ class OServePolicy(_Base):
             new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
         leaving = [k for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in new_keys]
         lost = sum(mix_capacity_rps(n_cur[k], rates) for k in leaving)
-        if self.oracle or _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a_target.served_rps,
+        if _should_switch(a_cur.served_rps, a_cur.peak_utilisation, a_target.served_rps,
                                          a_target.peak_utilisation, lost, switch_s, view.span_s, float(rates.sum())):
             return Decision(target, weights_for(a_target, n_target), switch_s, tuple(rates), "switch",
                             drain_retired=self.oracle)
