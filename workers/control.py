@@ -36,6 +36,7 @@ from oserve.observability.tracing import extract, inject
 from oserve.scheduler.search import SearchConfig
 from oserve.sim.cluster import Decision, SpanView
 from oserve.sim.policies import Forecaster, LastSpanForecaster, OServePolicy, PlanningContext
+from oserve.sim.twin import TwinConfig
 from oserve.specs import Deployment, Replica, ReplicaShape
 from oserve.streams.schemas import (Arrived, AssignmentSet, Completed, DrainReplica, ForecastMade, HostCommand,
                                     ReplicaDrained, ReplicaEvent, ReplicaReady, ReplicaSpec, SchemaError,
@@ -249,12 +250,14 @@ class SchedulerWorker(Worker):
     name = "scheduler"
 
     def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock, ctx: PlanningContext, *,
-                 search_name: str = "milp", fewer_replicas_slack: float = 0.02, tracer: Tracer | None = None) -> None:
+                 search_name: str = "milp", fewer_replicas_slack: float = 0.02, twin: bool = False,
+                 tracer: Tracer | None = None) -> None:
         super().__init__()
         self.nc, self.kv, self.config, self.clock, self.ctx, self.tracer = nc, kv, config, clock, ctx, tracer
         self._given = _GivenRates()
         self.policy = OServePolicy(ctx, self._given, search_name=search_name,
-                                   search_config=SearchConfig(fewer_replicas_slack=fewer_replicas_slack))
+                                   search_config=SearchConfig(fewer_replicas_slack=fewer_replicas_slack),
+                                   twin=TwinConfig() if twin else None)
         self.current: Decision | None = None
         self.history: list[list[int]] = []
         self.strategies: list[StrategyChosen] = []

@@ -53,6 +53,10 @@ class SystemConfig:
     search: str = "milp"
     fewer_replicas_slack: float = 0.02
     """Headroom the deployment MILP may give up for fewer replicas (`SearchConfig.fewer_replicas_slack`)."""
+    twin: bool = False
+    """Score candidate deployments on the digital twin (`oserve.sim.twin`), as the simulated OServe does.
+    Off by default here: scoring takes about a second of CPU per re-plan, which a span of one real
+    minute affords but the demo, whose clock runs 60x faster than wall time, does not."""
     engine_start_s: float = 8.0
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5
@@ -139,7 +143,8 @@ class LiveSystem:
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
                                              self.inputs.ctx, search_name=cfg.search,
-                                             fewer_replicas_slack=cfg.fewer_replicas_slack, tracer=tracer)
+                                             fewer_replicas_slack=cfg.fewer_replicas_slack, twin=cfg.twin,
+                                             tracer=tracer)
             await self.scheduler.start()
 
     def _workers(self):

@@ -114,6 +114,11 @@ class SpanView:
     true_next_counts: np.ndarray | None
     """The coming span's true per-type counts; only for oracle policies."""
     current: Decision | None
+    last_arrivals: tuple[np.ndarray, np.ndarray] | None = None
+    """(offsets in seconds from the span's start, type index) of every request of the span that just
+    ended: what a gateway saw arrive (not their output lengths)."""
+    true_next_arrivals: tuple[np.ndarray, np.ndarray] | None = None
+    """The same for the coming span; only for oracle policies."""
 
 
 class Policy(Protocol):
@@ -263,6 +268,7 @@ class _Kernel:
         self.spans: list[dict] = []
         self.num_migrations = 0
         self.handoff_due: set[int] = set()
+        self._span_bounds: np.ndarray | None = None
         self.all_replicas: list[SimReplica] = []  # id() of retired replicas to empty at their next step end
         interval = getattr(policy, "migration_interval_s", None)
         if interval is not None and not interval > 0:
@@ -408,10 +414,21 @@ class _Kernel:
         else:
             self.dispatch(m.request, now)  # the destination retired meanwhile: any current replica, KV kept
 
+    def span_arrivals(self, i: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(offsets from the span's start, types) of span i's arrivals; None outside the trace."""
+        if not 0 <= i < self.num_spans:
+            return None
+        if self._span_bounds is None:
+            edges = self.t0 + np.arange(self.num_spans + 1) * self.config.span_s
+            edges[-1] = np.inf
+            self._span_bounds = np.searchsorted(self.arrival_s, edges, side="left")
+        lo, hi = int(self._span_bounds[i]), int(self._span_bounds[i + 1])
+        return self.arrival_s[lo:hi] - (self.t0 + i * self.config.span_s), self.type_index[lo:hi]
+
     def on_span(self, i: int, now: float) -> None:
         span_s = self.config.span_s
         view = SpanView(i, now, span_s, self.true_counts[:i], self.true_counts[i] if i < self.num_spans else None,
-                        self.decision)
+                        self.decision, self.span_arrivals(i - 1), self.span_arrivals(i))
         new = self.policy.decide(view)
         switched = self.apply(new, now) if new is not None else False
         d = self.decision

@@ -4,9 +4,9 @@ Pure: each policy turns what it may see at a span boundary (`SpanView`) into a `
 the planning code with the live system (`oserve.scheduler.search`, the capacity table) and differ only
 in what they know and what they may deploy:
 
-- `oserve`: forecast of the next span (a forecaster object, or the last span's rates) -> the MILP
-  deployment over every shape -> switch GPU-to-GPU when the gain over the span outweighs the capacity
-  lost while switching.
+- `oserve`: forecast of the next span (a forecaster object, or the last span's rates) -> candidate
+  deployments from the MILP over every shape, scored on the digital twin -> switch GPU-to-GPU when the
+  gain outweighs the capacity lost while switching.
 - `oracle`: like `oserve` but with the coming span's true rates and free switching (its switch rule
   weighs the gain against a zero cost; retired replicas finish what they run).
 - `vllm-reload`: the best homogeneous deployment for the forecast, each span, reloading from disk.
@@ -29,6 +29,7 @@ from oserve.scheduler.search import SearchConfig
 from oserve.scheduler.packing import place
 from oserve.sim.cluster import Decision, SpanView
 from oserve.sim.engine import SimReplica, SimRequest
+from oserve.sim.twin import DigitalTwin, TwinConfig
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
 
 
@@ -286,18 +287,28 @@ class OServePolicy(_Base):
     while others idle); least-loaded within the affinity keeps the heterogeneous split and absorbs the
     forecast error.
 
-    Planning: the MILP with its third phase on (`search_config.fewer_replicas_slack`, 2%): among
-    deployments within 2% of the best headroom, the fewest replicas. The shapes of Llama-2-70B lie
-    within a few percent of each other per GPU, so the exact optimum is decided by modelling noise;
-    fewer, larger replicas pool bursts. Measured (llama2-70b, 16 GPUs, `compare`): P99 on 30 minutes of
-    azure-code 55.7 s -> 30.1 s, S1 / T4 / azure-conv unchanged (24.6 / 27.0 / 29.7 s).
+    Planning. The shapes of Llama-2-70B lie within a few percent of each other per GPU in the capacity
+    table, so its exact optimum is decided by modelling noise while the candidates' tail latencies
+    differ by tens of percent. So the policy builds a few candidates (the MILP at slacks 0, 2% and 5%
+    of its third, fewest-replicas phase; the three best homogeneous deployments for the forecast mix;
+    what runs now) and scores each on the digital twin (`oserve.sim.twin`: the last span's arrivals at
+    the forecast's counts, replayed on the simulated engine); it moves to the best when that beats
+    what runs by `switch_gain` and the capacity lost while switching is under a tenth of the span's
+    demand. Candidates are rescored only when the forecast moved by `rescore_change` since the last
+    scoring. With `twin=None` the capacity model alone decides (the MILP with `search_config`, switched
+    by `_should_switch`).
     """
 
     def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None, search_name: str = "milp",
                  oracle: bool = False, headroom: float = 1.0, name: str | None = None,
-                 search_config: SearchConfig = SearchConfig(fewer_replicas_slack=0.02)) -> None:
+                 search_config: SearchConfig = SearchConfig(fewer_replicas_slack=0.02),
+                 twin: TwinConfig | None = TwinConfig(), rescore_change: float = 0.1, switch_gain: float = 0.1) -> None:
         self.ctx = ctx
         self.search_config = search_config
+        self.twin = DigitalTwin(ctx.model, ctx.cluster.gpu, ctx.cluster, ctx.table.types, twin) if twin else None
+        self.rescore_change = rescore_change
+        self.switch_gain = switch_gain
+        self._scored_rates: np.ndarray | None = None
         self.forecaster = forecaster or LastSpanForecaster()
         self.search_name = search_name
         self.oracle = oracle
@@ -325,6 +336,80 @@ class OServePolicy(_Base):
 
     def _decide(self, view: SpanView) -> Decision:
         rates = self._rates(view) * self.headroom
+        if self.twin is not None:
+            return self._decide_by_twin(view, rates)
+        return self._decide_by_model(view, rates)
+
+    def _candidates(self, rates: np.ndarray, old: Deployment) -> list[Deployment]:
+        """Deployments worth scoring: the MILP's at three slacks, the best homogeneous ones by modelled
+        capacity for this mix, and what runs now (one of each shape multiset)."""
+        ctx = self.ctx
+        out: list[Deployment] = [old] if old.replicas else []
+        for slack in sorted({self.search_config.fewer_replicas_slack, 0.0, 0.05}):
+            cfg = SearchConfig(fewer_replicas_slack=slack)
+            out.append(search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table, config=cfg).deployment)
+        total = float(np.sum(rates))
+        if total > 0:
+            homog = []
+            for shape in _homogeneous_candidates(ctx):
+                try:
+                    dep = homogeneous_deployment(ctx, shape)
+                except (ConfigError, InfeasibleError):
+                    continue
+                homog.append((mix_capacity_rps(ctx.table.matrix([shape])[0], rates) * len(dep.replicas), dep))
+            homog.sort(key=lambda x: -x[0])
+            out += [dep for _, dep in homog[:3]]
+        seen, unique = set(), []
+        for dep in out:
+            key = tuple(sorted(dep.shapes()))
+            if key not in seen:
+                seen.add(key)
+                unique.append(dep)
+        return unique
+
+    def _decide_by_twin(self, view: SpanView, rates: np.ndarray) -> Decision:
+        """Candidates scored on a synthetic span of the forecast (`oserve.sim.twin`); switch when the best
+        beats what runs by `switch_gain` and the capacity lost while switching is affordable. Scoring is
+        redone only when the forecast moved by `rescore_change` (relative L1) since the last scoring."""
+        ctx = self.ctx
+        current = view.current
+        old = current.deployment if current else Deployment.empty()
+        if current is not None and self._scored_rates is not None:
+            moved = float(np.abs(rates - self._scored_rates).sum()) / max(float(self._scored_rates.sum()), 1e-9)
+            a_cur, n_cur = _served(ctx, old, rates)
+            if moved < self.rescore_change and a_cur.served_rps >= 0.999 * float(rates.sum()):
+                return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
+        self._scored_rates = np.array(rates, dtype=float)
+        scored = []
+        for i, dep in enumerate(self._candidates(rates, old)):
+            n = ctx.table.matrix(dep.shapes())
+            weights = weights_for(assign(rates, n), n)
+            pattern = view.true_next_arrivals if self.oracle else view.last_arrivals
+            scored.append((self.twin.score(dep, weights, rates, least_loaded_among, pattern, view.span_s), i, dep,
+                           weights))
+        best_score, _, best, _ = min(scored, key=lambda x: (x[0], x[1]))
+        if current is None:
+            target = best
+            n = ctx.table.matrix(target.shapes())
+            return Decision(target, weights_for(assign(rates, n), n), 0.0, tuple(rates), "initial")
+        cur_score = scored[0][0]  # the first candidate is what runs
+        a_cur, n_cur = _served(ctx, old, rates)
+        if tuple(sorted(best.shapes())) == tuple(sorted(old.shapes())) or best_score >= cur_score * (1 - self.switch_gain):
+            return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
+        target = stabilize(old, best, ctx.cluster)
+        switch_s = 0.0
+        if not self.oracle:
+            target, switch_s = ctx.costs.gpu_to_gpu(ctx.model, ctx.cluster, old, target)
+            new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
+            lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas)
+                       if (r.shape, r.gpu_ids) not in new_keys)
+            if lost * switch_s > 0.1 * float(rates.sum()) * view.span_s:
+                return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "keep")
+        n_t = ctx.table.matrix(target.shapes())
+        return Decision(target, weights_for(assign(rates, n_t), n_t), switch_s, tuple(rates), "switch",
+                        drain_retired=self.oracle)
+
+    def _decide_by_model(self, view: SpanView, rates: np.ndarray) -> Decision:
         ctx = self.ctx
         plan: Plan = search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table, config=self.search_config)
         current = view.current

@@ -1,0 +1,149 @@
+"""A digital twin for plan selection: score candidate deployments by simulating the forecast span. Pure.
+
+The capacity table rates every shape by throughput at a TBT target; for Llama-2-70B the best few
+deployments lie within a few percent of each other there, yet their tail latencies differ by tens of
+percent (how many replicas pool the bursts, how fast each decodes a long answer). The planner cannot
+tell them apart from the table, so it asks the simulator: each candidate serves a synthetic span made
+only of what the planner knows — the arrival times and types the gateway saw in the last span (at the
+forecast's counts; Poisson arrivals when there is no such span), each type's lengths drawn from its
+fitted length samples — with the same routing OServe uses, and the candidate with the lowest P99
+end-to-end latency (over the requests arriving after a warm-up) wins. As the paper profiles the
+real engine once, OServe here consults its calibrated engine model online.
+
+Deterministic: the synthetic span is drawn from a fixed seed, and every candidate sees the same one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from oserve.errors import ConfigError
+from oserve.perfmodel import PerfModel
+from oserve.sim.cluster import Decision, SimConfig, SpanView, simulate
+from oserve.sim.engine import SimReplica, SimRequest
+from oserve.specs import ClusterSpec, Deployment, GPUSpec, ModelSpec
+
+Route = Callable[[list[SimReplica], tuple[float, ...] | None], int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class TwinConfig:
+    """How candidate deployments are scored."""
+
+    seconds: float = 180.0
+    """Length of the synthetic span."""
+    warmup_s: float = 60.0
+    """Requests arriving before this are served but not scored (the replicas start empty)."""
+    seed: int = 0
+    max_requests: int = 12000
+    """Cap on the synthetic span's requests: beyond it the span is shortened (the rates, which set the
+    load, stay as forecast)."""
+    sim: SimConfig = field(default_factory=lambda: SimConfig(span_s=1e9, horizon_after_last_arrival_s=600.0))
+
+    def __post_init__(self) -> None:
+        if not self.seconds > self.warmup_s >= 0:
+            raise ConfigError(f"TwinConfig: need seconds > warmup_s >= 0, got {self.seconds}, {self.warmup_s}")
+        if self.max_requests < 10:
+            raise ConfigError(f"TwinConfig: max_requests must be >= 10, got {self.max_requests}")
+
+
+class _Fixed:
+    """A policy that serves one deployment with fixed weights and OServe's routing."""
+
+    name = "twin"
+
+    def __init__(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], route: Route) -> None:
+        self.decision = Decision(deployment, weights, 0.0, (), "twin")
+        self._route = route
+
+    def decide(self, view: SpanView) -> Decision | None:
+        return self.decision if view.current is None else None
+
+    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
+        w = self.decision.weights
+        return self._route(replicas, w[req.type_index] if req.type_index < len(w) else None)
+
+
+class DigitalTwin:
+    """Scores deployments on a synthetic span of the forecast (see the module docstring)."""
+
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, types, config: TwinConfig = TwinConfig(),
+                 perf: PerfModel | None = None) -> None:
+        self.model, self.gpu, self.cluster, self.config = model, gpu, cluster, config
+        self.perf = perf or PerfModel(model, gpu, gpus_per_node=cluster.gpus_per_node)
+        self._lengths = [types.type_lengths(j) for j in range(len(types.names))]
+
+    def workload(self, rates: np.ndarray, pattern: tuple[np.ndarray, np.ndarray] | None = None,
+                 span_s: float = 60.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+        """(arrival_s, input, output, type, warm-up seconds) of the synthetic span for per-type `rates`.
+
+        With `pattern` (the last span's arrival offsets and types), each type keeps its observed
+        arrival times (resampled with replacement to the forecast's count when that differs), so the
+        burstiness the gateway saw is replayed; the span is played twice and the first copy warms the
+        replicas up. Without it, Poisson arrivals over `config.seconds`.
+        """
+        rates = np.maximum(np.asarray(rates, dtype=float), 0.0)
+        rng = np.random.default_rng(self.config.seed)
+        total = float(rates.sum())
+        empty = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0.0)
+        if total <= 0:
+            return empty
+        times, kinds = [], []
+        if pattern is not None and len(pattern[0]) >= 10:
+            offsets, types = np.asarray(pattern[0], dtype=float), np.asarray(pattern[1])
+            for j, lam in enumerate(rates):
+                seen = offsets[types == j]
+                want = int(round(lam * span_s))
+                if want == len(seen):
+                    t = seen
+                elif len(seen):
+                    t = rng.choice(seen, size=want) + rng.normal(0.0, 0.05, size=want)
+                else:
+                    t = rng.random(want) * span_s
+                times.append(np.clip(t, 0.0, span_s))
+                kinds.append(np.full(len(t), j))
+            one = np.concatenate(times)
+            kind1 = np.concatenate(kinds)
+            if 2 * len(one) <= self.config.max_requests:
+                arrival = np.concatenate([one, one + span_s])
+                kind = np.concatenate([kind1, kind1])
+                warm = span_s
+            else:
+                arrival, kind, warm = one, kind1, span_s / 3.0
+        else:
+            seconds = min(self.config.seconds, self.config.max_requests / total)
+            for j, lam in enumerate(rates):
+                n = int(rng.poisson(lam * seconds))
+                times.append(rng.random(n) * seconds)
+                kinds.append(np.full(n, j))
+            arrival, kind = np.concatenate(times), np.concatenate(kinds)
+            warm = min(self.config.warmup_s, seconds / 3.0)
+        inp = np.zeros(len(arrival), dtype=np.int64)
+        out = np.zeros(len(arrival), dtype=np.int64)
+        for j in range(len(rates)):
+            sel = np.nonzero(kind == j)[0]
+            if len(sel):
+                inputs, outputs, weights = self._lengths[j]
+                pick = rng.choice(len(inputs), size=len(sel), p=weights / weights.sum())
+                inp[sel], out[sel] = inputs[pick], outputs[pick]
+        order = np.argsort(arrival, kind="stable")
+        return arrival[order], inp[order], out[order], kind[order].astype(np.int64), warm
+
+    def score(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], rates: np.ndarray,
+              route: Route, pattern: tuple[np.ndarray, np.ndarray] | None = None, span_s: float = 60.0) -> float:
+        """P99 end-to-end latency (s) of the synthetic span's scored requests on `deployment` (see
+        `workload`); a request left unfinished counts as infinitely late."""
+        arrival, inp, out, kind, warm = self.workload(rates, pattern, span_s)
+        if len(arrival) < 10 or not deployment.replicas:
+            return 0.0 if deployment.replicas else float("inf")
+        res = simulate(self.model, self.gpu, self.cluster, arrival, inp, out, kind, len(self._lengths),
+                       _Fixed(deployment, weights, route), self.config.sim, self.perf)
+        scored = res.arrival_s >= warm
+        e2e = np.sort(np.where(res.dropped, np.inf, res.e2e_s)[scored])
+        if not len(e2e):
+            return 0.0
+        # the mean of the slowest 2%: the P99 region, steadier than one order statistic of one span
+        return float(e2e[int(len(e2e) * 0.98):].mean())

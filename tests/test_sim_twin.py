@@ -1,0 +1,152 @@
+"""The digital twin that scores candidate deployments, and what the kernel shows policies of past spans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oserve.capacity import CapacityTable
+from oserve.scheduler import assign
+from oserve.sim.cluster import Decision, simulate
+from oserve.sim.policies import OServePolicy, PlanningContext, homogeneous_deployment, least_loaded_among, weights_for
+from oserve.sim.twin import DigitalTwin, TwinConfig
+from oserve.sim.workloads import from_trace, scale_volume
+from oserve.specs import GPUS, Deployment, ReplicaShape, cluster_for_gpus, model_preset
+from oserve.workload import fit_types, load_trace
+
+H100 = GPUS["h100-80gb"]
+LLAMA = model_preset("llama2-70b")
+
+
+@pytest.fixture(scope="module")
+def conv():
+    trace = load_trace("azure-conv")
+    types = fit_types(trace.input_tokens, trace.output_tokens)
+    return trace, types, CapacityTable(LLAMA, H100, types)
+
+
+def _twin(types, cluster, **kw) -> DigitalTwin:
+    return DigitalTwin(LLAMA, H100, cluster, types, TwinConfig(**kw))
+
+
+def test_score_is_the_simulated_tail_of_the_synthetic_span(conv):
+    """Reference: simulate the twin's own workload directly with the same routing; the score is the
+    mean of the slowest 2% after the warm-up, bit for bit."""
+    _, types, table = conv
+    cluster = cluster_for_gpus(16)
+    twin = _twin(types, cluster)
+    rates = np.array([4.0, 3.0, 2.0, 5.0])
+    dep = homogeneous_deployment(cluster, ReplicaShape(4))
+    n = table.matrix(dep.shapes())
+    weights = weights_for(assign(rates, n), n)
+    arrival, inp, out, kind, warm = twin.workload(rates)
+
+    class Fixed:
+        name = "ref"
+
+        def decide(self, view):
+            return Decision(dep, weights, 0.0, (), "ref") if view.current is None else None
+
+        def route(self, req, replicas):
+            return least_loaded_among(replicas, weights[req.type_index])
+
+    res = simulate(LLAMA, H100, cluster, arrival, inp, out, kind, 4, Fixed(), twin.config.sim)
+    e2e = np.sort(res.e2e_s[res.arrival_s >= warm])
+    assert twin.score(dep, weights, rates, least_loaded_among) == float(e2e[int(len(e2e) * 0.98):].mean())
+    assert twin.score(dep, weights, rates, least_loaded_among) == twin.score(dep, weights, rates, least_loaded_among)
+
+
+def test_a_smaller_deployment_scores_worse_under_load(conv):
+    _, types, table = conv
+    cluster = cluster_for_gpus(16)
+    twin = _twin(types, cluster, seconds=120.0, warmup_s=40.0)
+    rates = np.array([6.0, 4.0, 3.0, 6.0])
+    full = homogeneous_deployment(cluster, ReplicaShape(4))
+    half = Deployment(full.replicas[:2])
+    scores = []
+    for dep in (full, half):
+        n = table.matrix(dep.shapes())
+        scores.append(twin.score(dep, weights_for(assign(rates, n), n), rates, least_loaded_among))
+    assert scores[1] > 1.5 * scores[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+       forecast=st.lists(st.integers(0, 40), min_size=4, max_size=4).filter(lambda f: sum(f) > 0),
+       seed=st.integers(0, 100))
+def test_replayed_pattern_keeps_times_and_meets_the_forecast(conv, counts, forecast, seed):
+    _, types, _ = conv
+    twin = _twin(types, cluster_for_gpus(8), seed=seed)
+    rng = np.random.default_rng(seed)
+    offsets = np.concatenate([rng.random(c) * 60.0 for c in counts])
+    kinds = np.concatenate([np.full(c, j) for j, c in enumerate(counts)])
+    rates = np.array(forecast, dtype=float) / 60.0
+    arrival, inp, out, kind, warm = twin.workload(rates, (offsets, kinds) if len(offsets) >= 10 else None, 60.0)
+    assert np.all(np.diff(arrival) >= 0) and np.all(inp >= 1) and np.all(out >= 1)
+    if len(offsets) < 10:
+        return  # Poisson mode
+    assert warm == 60.0
+    for j in range(4):
+        mine = np.sort(arrival[kind == j])
+        assert len(mine) == 2 * forecast[j]  # the span played twice at the forecast's count
+        assert np.all((mine >= 0) & (mine <= 120.0))
+        if forecast[j] == counts[j]:  # the observed times exactly, then again one span later
+            first = np.sort(offsets[kinds == j])
+            assert np.allclose(mine, np.sort(np.concatenate([first, first + 60.0])))
+
+
+def test_kernel_shows_each_span_its_predecessor_arrivals(conv):
+    trace, types, table = conv
+    cluster = cluster_for_gpus(8)
+    w = scale_volume(from_trace(trace.slice_time(0, 240), types), 2.0, np.random.default_rng(0))
+    seen = []
+
+    class Recorder:
+        name = "recorder"
+
+        def decide(self, view):
+            seen.append((view.span_index, view.last_arrivals, view.true_next_arrivals, view.observed_counts.copy()))
+            dep = homogeneous_deployment(cluster, ReplicaShape(4))
+            return Decision(dep, tuple((1.0,) * len(dep.replicas) for _ in range(4))) if view.current is None else None
+
+        def route(self, req, replicas):
+            return None
+
+    simulate(LLAMA, H100, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, 4, Recorder())
+    assert seen[0][1] is None
+    for i, last, nxt, observed in seen[1:]:
+        offsets, kinds = last
+        assert np.array_equal(np.bincount(kinds, minlength=4), observed[-1])
+        assert np.all((offsets >= 0) & (offsets < 60.0 + 1e-9))
+    total = sum(len(n[0]) for _, _, n, _ in seen if n is not None)
+    assert total == len(w)
+
+
+def test_oserve_deploys_the_candidate_the_twin_scores_best(conv):
+    trace, types, table = conv
+    cluster = cluster_for_gpus(16)
+    w = scale_volume(from_trace(trace.slice_time(0, 120), types), 3.0, np.random.default_rng(1))
+    ctx = PlanningContext(LLAMA, cluster, table, initial_rps=w.first_span_rps(60.0, 4))
+    policy = OServePolicy(ctx)
+    rates = np.asarray(ctx.initial_rps, dtype=float)
+    candidates = policy._candidates(rates, Deployment.empty())
+    assert len(candidates) >= 3
+    scores = []
+    for dep in candidates:
+        n = table.matrix(dep.shapes())
+        scores.append(policy.twin.score(dep, weights_for(assign(rates, n), n), rates, least_loaded_among))
+    res = simulate(LLAMA, H100, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, 4, policy)
+    chosen = sorted(str(d[1]) for d in res.spans[0]["deployment"])
+    assert chosen == sorted(str(s) for s in candidates[int(np.argmin(scores))].shapes())
+    assert not res.dropped.any()
+
+
+def test_twin_config_is_validated():
+    from oserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="warmup_s"):
+        TwinConfig(seconds=10.0, warmup_s=20.0)
+    with pytest.raises(ConfigError, match="max_requests"):
+        TwinConfig(max_requests=3)
