@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import SHARED_DATA
+
 from oserve.capacity import CapacityTable
 from oserve.sim.cluster import Decision, SimConfig, SmoothRouter, simulate
 from oserve.sim.evaluate import build_scenario, compare
@@ -166,6 +168,8 @@ def test_traces_are_scaled_by_their_busy_minutes_not_their_mean():
     assert loads.mean() < 0.7
 
 
+@pytest.mark.skipif(not (SHARED_DATA / "traces" / "servegen_m-mid.csv").is_file(),
+                    reason="ServeGen traces not in ../shared/data")
 def test_servegen_scenario_reaches_the_load_and_shifts_its_mix():
     from oserve.sim.evaluate import minute_loads
 

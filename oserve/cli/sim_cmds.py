@@ -181,9 +181,19 @@ def bench_e2e(
     runs = [(name, gpus) for name in scenarios.split(",") if name]
     if extra_32:
         runs.append(("azure-conv", 32))
-    rows = []
+    rows, skipped = [], []
     start = time.perf_counter()
     for name, n_gpus in runs:
+        if name.startswith("servegen-"):
+            from oserve.errors import ConfigError
+            from oserve.sim.servegen import resolve_servegen
+
+            try:
+                resolve_servegen(name)
+            except ConfigError as e:  # the ServeGen traces live in ../shared/data, not in the package
+                skipped.append({"name": name, "reason": str(e)})
+                console.print(f"{name}: skipped ({e})")
+                continue
         scenario, comparison, _ = _run(name, model, n_gpus, POLICIES, load, minutes, 60.0, 0, console)
         res = comparison.results
         row = {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.workload),
@@ -196,7 +206,7 @@ def bench_e2e(
     def mean(key: str) -> float:
         vals = [r["speedup_p99"][key] for r in rows if key in r["speedup_p99"]]
         return float(sum(vals) / len(vals)) if vals else math.nan
-    result = {"model": model, "load": load, "scenarios": rows, "seconds": time.perf_counter() - start,
+    result = {"model": model, "load": load, "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start,
               "mean_speedup_p99": {k: mean(k) for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
               "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
                                   for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},

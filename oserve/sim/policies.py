@@ -294,8 +294,8 @@ class OServePolicy(_Base):
     what runs now) and scores each on the digital twin (`oserve.sim.twin`: the last span's arrivals at
     the forecast's counts, replayed on the simulated engine); it moves to the best when that beats
     what runs by `switch_gain` and the capacity lost while switching is under a tenth of the span's
-    demand. Candidates are rescored only when the forecast moved by `rescore_change` since the last
-    scoring. With `twin=None` the capacity model alone decides (the MILP with `search_config`, switched
+    demand. Candidates are rescored only when the forecast moved since the last scoring by more than
+    `rescore_change` and twice what Poisson noise alone moves it. With `twin=None` the capacity model alone decides (the MILP with `search_config`, switched
     by `_should_switch`).
     """
 
@@ -375,9 +375,13 @@ class OServePolicy(_Base):
         current = view.current
         old = current.deployment if current else Deployment.empty()
         if current is not None and self._scored_rates is not None:
-            moved = float(np.abs(rates - self._scored_rates).sum()) / max(float(self._scored_rates.sum()), 1e-9)
+            base = max(float(self._scored_rates.sum()), 1e-9)
+            moved = float(np.abs(rates - self._scored_rates).sum()) / base
+            # what two spans of the same mix differ by through Poisson noise alone is no reason to rescore
+            # (relative L1 distance of two multinomial samples of N: about sqrt(2k / (pi N)))
+            noise = float(np.sqrt(2.0 * len(rates) / (np.pi * max(base * view.span_s, 1.0))))
             a_cur, n_cur = _served(ctx, old, rates)
-            if moved < self.rescore_change and a_cur.served_rps >= 0.999 * float(rates.sum()):
+            if moved < max(self.rescore_change, 2.0 * noise) and a_cur.served_rps >= 0.999 * float(rates.sum()):
                 return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
         self._scored_rates = np.array(rates, dtype=float)
         scored = []
