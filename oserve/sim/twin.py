@@ -41,6 +41,10 @@ class TwinConfig:
     max_requests: int = 12000
     """Cap on the synthetic span's requests: beyond it the span is shortened (the rates, which set the
     load, stay as forecast)."""
+    initial_seconds: float = 600.0
+    """Length of the Poisson span that scores the first deployment (no observed span yet)."""
+    initial_max_requests: int = 30000
+    """Cap on that span's requests (it is shortened beyond it)."""
     sim: SimConfig = field(default_factory=lambda: SimConfig(span_s=1e9, horizon_after_last_arrival_s=600.0))
 
     def __post_init__(self) -> None:
@@ -77,13 +81,15 @@ class DigitalTwin:
         self._lengths = [types.type_lengths(j) for j in range(len(types.names))]
 
     def workload(self, rates: np.ndarray, pattern: tuple[np.ndarray, np.ndarray] | None = None,
-                 span_s: float = 60.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+                 span_s: float = 60.0,
+                 long: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
         """(arrival_s, input, output, type, warm-up seconds) of the synthetic span for per-type `rates`.
 
         With `pattern` (the last span's arrival offsets and types), each type keeps its observed
         arrival times (resampled with replacement to the forecast's count when that differs), so the
         burstiness the gateway saw is replayed; the span is played twice and the first copy warms the
-        replicas up. Without it, Poisson arrivals over `config.seconds`.
+        replicas up. Without it, Poisson arrivals over `config.seconds` (`config.initial_seconds` when
+        `long`: the first deployment has no observed span to go by and is the costliest to change).
         """
         rates = np.maximum(np.asarray(rates, dtype=float), 0.0)
         rng = np.random.default_rng(self.config.seed)
@@ -114,7 +120,8 @@ class DigitalTwin:
             else:
                 arrival, kind, warm = one, kind1, span_s / 3.0
         else:
-            seconds = min(self.config.seconds, self.config.max_requests / total)
+            seconds = (min(self.config.initial_seconds, self.config.initial_max_requests / total) if long
+                       else min(self.config.seconds, self.config.max_requests / total))
             for j, lam in enumerate(rates):
                 n = int(rng.poisson(lam * seconds))
                 times.append(rng.random(n) * seconds)
@@ -133,10 +140,11 @@ class DigitalTwin:
         return arrival[order], inp[order], out[order], kind[order].astype(np.int64), warm
 
     def score(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], rates: np.ndarray,
-              route: Route, pattern: tuple[np.ndarray, np.ndarray] | None = None, span_s: float = 60.0) -> float:
+              route: Route, pattern: tuple[np.ndarray, np.ndarray] | None = None, span_s: float = 60.0,
+              long: bool = False) -> float:
         """P99 end-to-end latency (s) of the synthetic span's scored requests on `deployment` (see
         `workload`); a request left unfinished counts as infinitely late."""
-        arrival, inp, out, kind, warm = self.workload(rates, pattern, span_s)
+        arrival, inp, out, kind, warm = self.workload(rates, pattern, span_s, long)
         if len(arrival) < 10 or not deployment.replicas:
             return 0.0 if deployment.replicas else float("inf")
         res = simulate(self.model, self.gpu, self.cluster, arrival, inp, out, kind, len(self._lengths),
