@@ -55,6 +55,7 @@ class Checked:
         self.migration_interval_s = inner.migration_interval_s
         self.requests: dict[int, object] = {}
         self.replicas: list[SimReplica] = []
+        self.seen: dict[int, SimReplica] = {}  # every replica ever shown, retired ones included
         self.num_checks = 0
         self.num_planned = 0
 
@@ -74,6 +75,7 @@ class Checked:
 
     def check(self, replicas: list[SimReplica]) -> None:
         self.num_checks += 1
+        self.seen.update((id(r), r) for r in replicas)
         self.replicas = list(replicas)
         seen: set[int] = set()
         for rep in replicas:
@@ -108,7 +110,7 @@ def _assert_conserved(policy: Checked, res: SimResult, n: int) -> None:
         else:
             assert res.drop_reasons.get("rejected", 0) > 0
     assert res.num_migrations == sum(r.num_migrations for r in by_id.values())
-    for rep in policy.replicas:
+    for rep in policy.seen.values():
         assert rep.free_blocks == rep.total_blocks and rep.num_requests == 0
         assert rep.incoming_kv_blocks == 0 and not rep.migrating_out
 

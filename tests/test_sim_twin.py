@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from oserve.capacity import CapacityTable
 from oserve.scheduler import assign
 from oserve.sim.cluster import Decision, simulate
-from oserve.sim.policies import OServePolicy, PlanningContext, homogeneous_deployment, least_loaded_among, weights_for
+from oserve.sim.policies import (OServePolicy, PlanningContext, assign_even, homogeneous_deployment,
+                                 least_loaded_among, weights_for)
 from oserve.sim.twin import DigitalTwin, TwinConfig
 from oserve.sim.workloads import from_trace, scale_volume
 from oserve.specs import GPUS, Deployment, ReplicaShape, cluster_for_gpus, model_preset
@@ -61,7 +62,7 @@ def test_score_is_the_simulated_tail_of_the_synthetic_span(conv):
 def test_a_smaller_deployment_scores_worse_under_load(conv):
     _, types, table = conv
     cluster = cluster_for_gpus(16)
-    twin = _twin(types, cluster, seconds=120.0, warmup_s=40.0)
+    twin = _twin(types, cluster, horizon_s=120.0, warmup_s=40.0)
     rates = np.array([6.0, 4.0, 3.0, 6.0])
     full = homogeneous_deployment(cluster, ReplicaShape(4))
     half = Deployment(full.replicas[:2])
@@ -134,9 +135,10 @@ def test_oserve_deploys_the_candidate_the_twin_scores_best(conv):
     candidates = policy._candidates(rates, Deployment.empty())
     assert len(candidates) >= 3
     scores = []
-    for dep in candidates:
+    for dep in candidates:  # as the policy scores its first decision: even weights, the long span
         n = table.matrix(dep.shapes())
-        scores.append(policy.twin.score(dep, weights_for(assign(rates, n), n), rates, least_loaded_among))
+        scores.append(policy.twin.score(dep, weights_for(assign_even(rates, n), n), rates, least_loaded_among,
+                                        long=True))
     res = simulate(LLAMA, H100, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, 4, policy)
     chosen = sorted(str(d[1]) for d in res.spans[0]["deployment"])
     assert chosen == sorted(str(s) for s in candidates[int(np.argmin(scores))].shapes())
@@ -147,6 +149,6 @@ def test_twin_config_is_validated():
     from oserve.errors import ConfigError
 
     with pytest.raises(ConfigError, match="warmup_s"):
-        TwinConfig(seconds=10.0, warmup_s=20.0)
-    with pytest.raises(ConfigError, match="max_requests"):
-        TwinConfig(max_requests=3)
+        TwinConfig(horizon_s=10.0, warmup_s=20.0)
+    with pytest.raises(ConfigError, match="max_num_requests"):
+        TwinConfig(max_num_requests=3)

@@ -54,9 +54,10 @@ class SystemConfig:
     fewer_replicas_slack: float = 0.02
     """Headroom the deployment MILP may give up for fewer replicas (`SearchConfig.fewer_replicas_slack`)."""
     twin: bool = False
-    """Score candidate deployments on the digital twin (`oserve.sim.twin`), as the simulated OServe does.
-    Off by default here: scoring takes about a second of CPU per re-plan, which a span of one real
-    minute affords but the demo, whose clock runs 60x faster than wall time, does not."""
+    """Score candidate deployments on the digital twin (`oserve.sim.twin`), as the simulated OServe does
+    (here on Poisson arrivals at the forecast: the live span view carries no arrival times). Off by
+    default: a re-plan then costs seconds of CPU, which a span of one real minute affords but the demo,
+    whose clock runs 60x faster than wall time, does not."""
     engine_start_s: float = 8.0
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5

@@ -15,6 +15,10 @@ from rich.table import Table
 from oserve.cli import app, bench_app
 
 
+LOAD_HELP = ("Demand of the 90th-percentile minute (compositions: the mean) as a fraction of the best "
+             "homogeneous capacity.")
+
+
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                     TimeElapsedColumn(), console=console, transient=True)
@@ -99,7 +103,7 @@ def simulate_cmd(
     gpus: int = typer.Option(16, help="GPUs in the cluster (whole 8-GPU nodes above 8)."),
     policy: str = typer.Option("all", help="all, or a comma-separated list of oserve, vllm-static, vllm-reload, "
                                            "llumnix, oracle."),
-    load: float = typer.Option(0.8, help="Demand of the 90th-percentile minute (compositions: the mean) as a fraction of the best homogeneous capacity."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
     minutes: float = typer.Option(None, help="Cut a trace to this long (or set a composition's length)."),
     span: float = typer.Option(60.0, help="Re-planning span in seconds."),
     seed: int = typer.Option(0, help="Seed for scaling and sampling the workload."),
@@ -166,13 +170,14 @@ E2E_SCENARIOS = ("S1", "S2", "S3", "S4", "S5", "T1", "T2", "T3", "T4", "azure-co
 def bench_e2e(
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster."),
-    load: float = typer.Option(0.8, help="Demand of the 90th-percentile minute (compositions: the mean) as a fraction of the best homogeneous capacity."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
     scenarios: str = typer.Option(",".join(E2E_SCENARIOS), help="Comma-separated scenario names."),
     extra_32: bool = typer.Option(True, help="Also run azure-conv on 32 GPUs."),
     minutes: float = typer.Option(None, help="Length of each scenario (default: 20 min per composition, "
                                              "30 min per sequence, whole traces)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    out: Path = typer.Option(None, help="Write e2e.json and speedups.png (bars per scenario, speedup vs mix CV) here."),
+    out: Path = typer.Option(None, help="Write e2e.json and speedups.png (bars per scenario, speedup vs mix "
+                                        "CV) here."),
 ) -> None:
     """OServe's P99 against each baseline on the paper's scenarios, the Azure traces and ServeGen."""
     from oserve.sim.evaluate import POLICIES
@@ -206,7 +211,8 @@ def bench_e2e(
     def mean(key: str) -> float:
         vals = [r["speedup_p99"][key] for r in rows if key in r["speedup_p99"]]
         return float(sum(vals) / len(vals)) if vals else math.nan
-    result = {"model": model, "load": load, "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start,
+    result = {"model": model, "load": load, "scenarios": rows, "skipped": skipped,
+              "seconds": time.perf_counter() - start,
               "mean_speedup_p99": {k: mean(k) for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
               "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
                                   for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},

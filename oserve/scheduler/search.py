@@ -423,7 +423,7 @@ def _milp_counts(problem: PlanningProblem, config: SearchConfig, evaluate: Evalu
                     counts3 = np.zeros(len(problem.shapes), dtype=int)
                     counts3[keep] = np.round(res3.x[:num_s]).astype(int)
                     if problem.packs(counts3) and evaluate(counts3).peak_utilisation <= (1 + 1e-6) / floor:
-                        return counts3
+                        return counts3  # `_complete` still fills GPUs left free (a replica more each)
     best, best_ev = None, None
     for x in candidates:  # phase two wins unless a time limit cut it short
         counts = np.zeros(len(problem.shapes), dtype=int)

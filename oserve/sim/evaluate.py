@@ -105,7 +105,8 @@ def compare(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, workload: Work
     needs_static = any(p in policies for p in ("vllm-static", "llumnix"))
     if needs_static:
         ranked = static_capacity_rps(table, cluster, mean_mix(workload, k))
-        ranked = [r for r in ranked if r[0] >= config.static_min_capacity_frac * ranked[0][0]][:config.static_candidates]
+        floor = config.static_min_capacity_frac * ranked[0][0]
+        ranked = [r for r in ranked if r[0] >= floor][:config.static_candidates]
         best = None
         for _, shape in ranked:
             dep = homogeneous_deployment(ctx, shape)
@@ -150,8 +151,8 @@ def scale_for_load(workload: Workload, table: CapacityTable, cluster: ClusterSpe
     best homogeneous deployment (see `minute_loads`).
 
     A quantile, not the mean: real traces are bursty (the Azure code trace's busiest minute carries 4.4x
-    its mean), so scaling the mean to 0.8 overruns every policy for minutes on end and the comparison
-    measures queues that only grow. At the 0.9 quantile the cluster is "neither idle nor overrun", as
+    its mean load in this sense, 4.2x its mean request count), so scaling the mean to 0.8 overruns every
+    policy for minutes on end and the comparison measures queues that only grow. At the 0.9 quantile the cluster is "neither idle nor overrun", as
     the paper scales its traces; for the Poisson compositions the quantile is within a few percent of
     the mean.
     """
@@ -179,12 +180,13 @@ class Scenario:
 def build_scenario(name: str, model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, load: float = 0.8,
                    minutes: float | None = None, seed: int = 0, target: LatencyTarget = LatencyTarget(),
                    pool_trace: str = "azure-conv") -> Scenario:
-    """A workload by name: a trace (path, azure-conv, azure-code), a composition S1-S5, a sequence T1-T4, or
-    a ServeGen slice (servegen-m-large, servegen-m-mid, or a servegen_*.csv path; see `oserve.sim.servegen`).
+    """A workload by name: a trace (path, azure-conv, azure-code), a composition S1-S5, a sequence T1-T4,
+    or a ServeGen slice (servegen-m-large, servegen-m-mid, or a servegen_*.csv path; `oserve.sim.servegen`).
 
     Traces keep their minutes and type mix and are scaled in volume so that their 90th-percentile
-    minute is at `load` x the best homogeneous capacity (`scale_for_load`); compositions and sequences draw real requests of each type from `pool_trace` at that
-    load. `minutes` cuts a trace (or sets a composition's length; a sequence's phases share it).
+    minute is at `load` x the best homogeneous capacity (`scale_for_load`); compositions and sequences
+    draw real requests of each type from `pool_trace` at that load (their mean). `minutes` cuts a trace
+    (or sets a composition's length; a sequence's phases share it).
     """
     from oserve.sim.workloads import (COMPOSITIONS, SEQUENCES, composition, from_trace, mix_cv_of, scale_volume,
                                       sequence)

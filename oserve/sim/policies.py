@@ -17,20 +17,23 @@ in what they know and what they may deploy:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from oserve.capacity import CapacityTable
 from oserve.errors import ConfigError, InfeasibleError
 from oserve.scheduler import Assignment, Plan, assign, search
-from oserve.scheduler.search import SearchConfig
 from oserve.scheduler.packing import place
+from oserve.scheduler.search import SearchConfig
 from oserve.sim.cluster import Decision, SpanView
 from oserve.sim.engine import SimReplica, SimRequest
 from oserve.sim.twin import DigitalTwin, TwinConfig
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
+
+if TYPE_CHECKING:  # llumnix.py imports this module; `llumnix()` imports it lazily
+    from oserve.sim.llumnix import LlumnixPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,8 +216,7 @@ def assign_even(rates: np.ndarray, n: np.ndarray) -> Assignment:
     c times the capacity; exact, as in `oserve.scheduler.problem`) and each member gets 1/c of its
     group's flow of every type. A per-replica vertex solution instead pins types to arbitrary members
     of a group, and re-solving every span moves them around: the router then shifts whole types between
-    identical replicas from one span to the next (measured on S5, 4 x TP2xPP2: P99 27.9 s against 25.8 s
-    predicted for an even spread).
+    identical replicas from one span to the next, which the twin (fixed weights) does not foresee.
     """
     n = np.asarray(n, dtype=float)
     if len(n) == 0:
@@ -324,8 +326,8 @@ class OServePolicy(_Base):
     the forecast's counts, replayed on the simulated engine); it moves to the best when that beats
     what runs by `switch_gain` and the capacity lost while switching is under a tenth of the span's
     demand. Candidates are rescored only when the forecast moved since the last scoring by more than
-    `rescore_change` and twice what Poisson noise alone moves it. With `twin=None` the capacity model alone decides (the MILP with `search_config`, switched
-    by `_should_switch`).
+    `rescore_change` and twice what Poisson noise alone moves it. With `twin=None` the capacity model
+    alone decides (the MILP with `search_config`, switched by `_should_switch`).
     """
 
     def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None, search_name: str = "milp",
@@ -375,7 +377,7 @@ class OServePolicy(_Base):
         ctx = self.ctx
         out: list[Deployment] = [old] if old.replicas else []
         for slack in sorted({self.search_config.fewer_replicas_slack, 0.0, 0.05}):
-            cfg = SearchConfig(fewer_replicas_slack=slack)
+            cfg = replace(self.search_config, fewer_replicas_slack=slack)
             out.append(search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table, config=cfg).deployment)
         total = float(np.sum(rates))
         if total > 0:
@@ -407,7 +409,8 @@ class OServePolicy(_Base):
             base = max(float(self._scored_rates.sum()), 1e-9)
             moved = float(np.abs(rates - self._scored_rates).sum()) / base
             # what two spans of the same mix differ by through Poisson noise alone is no reason to rescore
-            # (relative L1 distance of two multinomial samples of N: about sqrt(2k / (pi N)))
+            # (sqrt(2k / (pi N)) is a rough, low estimate of the relative L1 distance of two multinomial
+            # samples of N over k types: about 20% under the uniform mix's 2 sqrt((k - 1) / (pi N)))
             noise = float(np.sqrt(2.0 * len(rates) / (np.pi * max(base * view.span_s, 1.0))))
             a_cur, n_cur = _served(ctx, old, rates)
             if moved < max(self.rescore_change, 2.0 * noise) and a_cur.served_rps >= 0.999 * float(rates.sum()):
@@ -427,7 +430,8 @@ class OServePolicy(_Base):
             return Decision(target, weights_for(assign_even(rates, n), n), 0.0, tuple(rates), "initial")
         cur_score = scored[0][0]  # the first candidate is what runs
         a_cur, n_cur = _served(ctx, old, rates)
-        if tuple(sorted(best.shapes())) == tuple(sorted(old.shapes())) or best_score >= cur_score * (1 - self.switch_gain):
+        same = tuple(sorted(best.shapes())) == tuple(sorted(old.shapes()))
+        if same or best_score >= cur_score * (1 - self.switch_gain):
             return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
         target = stabilize(old, best, ctx.cluster)
         switch_s = 0.0
@@ -534,7 +538,7 @@ class StaticPolicy(_Base):
         return least_loaded_among(replicas, None)
 
 
-def llumnix(ctx: PlanningContext, deployment: Deployment):
+def llumnix(ctx: PlanningContext, deployment: Deployment) -> LlumnixPolicy:
     """Homogeneous replicas; Llumnix's freeness dispatch and live migration of running requests
     (`oserve.sim.llumnix`)."""
     from oserve.sim.llumnix import LlumnixPolicy

@@ -6,9 +6,15 @@ percent (how many replicas pool the bursts, how fast each decodes a long answer)
 tell them apart from the table, so it asks the simulator: each candidate serves a synthetic span made
 only of what the planner knows — the arrival times and types the gateway saw in the last span (at the
 forecast's counts; Poisson arrivals when there is no such span), each type's lengths drawn from its
-fitted length samples — with the same routing OServe uses, and the candidate with the lowest P99
-end-to-end latency (over the requests arriving after a warm-up) wins. As the paper profiles the
-real engine once, OServe here consults its calibrated engine model online.
+fitted length samples — with the same routing OServe uses, and the candidate with the shortest tail
+wins: the mean end-to-end latency of the slowest 2% of the requests arriving after a warm-up (the
+P99 region, steadier than one order statistic of one span).
+
+What the twin knows that a deployment would have to learn: the length samples come from the workload
+types, which the evaluation fits on the whole trace it then serves (as the capacity table does), and
+it runs the same performance model as the simulated cluster, so it is a perfectly calibrated engine
+model. On real GPUs both would come from profiling and the completed requests of earlier hours. As
+the paper profiles the real engine once, OServe here consults its calibrated engine model online.
 
 Deterministic: the synthetic span is drawn from a fixed seed, and every candidate sees the same one.
 """
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from oserve.capacity import LengthMix
 from oserve.errors import ConfigError
 from oserve.perfmodel import PerfModel
 from oserve.sim.cluster import Decision, SimConfig, SpanView, simulate
@@ -33,25 +40,28 @@ Route = Callable[[list[SimReplica], tuple[float, ...] | None], int | None]
 class TwinConfig:
     """How candidate deployments are scored."""
 
-    seconds: float = 180.0
-    """Length of the synthetic span."""
+    horizon_s: float = 180.0
+    """Length of the synthetic span when there is no observed span to replay (Poisson arrivals)."""
     warmup_s: float = 60.0
     """Requests arriving before this are served but not scored (the replicas start empty)."""
     seed: int = 0
-    max_requests: int = 12000
-    """Cap on the synthetic span's requests: beyond it the span is shortened (the rates, which set the
-    load, stay as forecast)."""
-    initial_seconds: float = 600.0
+    max_num_requests: int = 12000
+    """Cap on the synthetic span's requests. A Poisson span is shortened beyond it (the rates, which set
+    the load, stay as forecast); a replayed span is then played once, its first third warming up,
+    instead of twice."""
+    initial_horizon_s: float = 600.0
     """Length of the Poisson span that scores the first deployment (no observed span yet)."""
-    initial_max_requests: int = 30000
+    initial_max_num_requests: int = 30000
     """Cap on that span's requests (it is shortened beyond it)."""
     sim: SimConfig = field(default_factory=lambda: SimConfig(span_s=1e9, horizon_after_last_arrival_s=600.0))
 
     def __post_init__(self) -> None:
-        if not self.seconds > self.warmup_s >= 0:
-            raise ConfigError(f"TwinConfig: need seconds > warmup_s >= 0, got {self.seconds}, {self.warmup_s}")
-        if self.max_requests < 10:
-            raise ConfigError(f"TwinConfig: max_requests must be >= 10, got {self.max_requests}")
+        if not self.horizon_s > self.warmup_s >= 0 or not self.initial_horizon_s > self.warmup_s:
+            raise ConfigError(f"TwinConfig: need horizon_s and initial_horizon_s > warmup_s >= 0, got "
+                              f"{self.horizon_s}, {self.initial_horizon_s}, {self.warmup_s}")
+        if self.max_num_requests < 10 or self.initial_max_num_requests < 10:
+            raise ConfigError(f"TwinConfig: max_num_requests and initial_max_num_requests must be >= 10, got "
+                              f"{self.max_num_requests}, {self.initial_max_num_requests}")
 
 
 class _Fixed:
@@ -74,8 +84,8 @@ class _Fixed:
 class DigitalTwin:
     """Scores deployments on a synthetic span of the forecast (see the module docstring)."""
 
-    def __init__(self, model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, types, config: TwinConfig = TwinConfig(),
-                 perf: PerfModel | None = None) -> None:
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, types: LengthMix,
+                 config: TwinConfig = TwinConfig(), perf: PerfModel | None = None) -> None:
         self.model, self.gpu, self.cluster, self.config = model, gpu, cluster, config
         self.perf = perf or PerfModel(model, gpu, gpus_per_node=cluster.gpus_per_node)
         self._lengths = [types.type_lengths(j) for j in range(len(types.names))]
@@ -88,15 +98,15 @@ class DigitalTwin:
         With `pattern` (the last span's arrival offsets and types), each type keeps its observed
         arrival times (resampled with replacement to the forecast's count when that differs), so the
         burstiness the gateway saw is replayed; the span is played twice and the first copy warms the
-        replicas up. Without it, Poisson arrivals over `config.seconds` (`config.initial_seconds` when
+        replicas up. Without it, Poisson arrivals over `config.horizon_s` (`config.initial_horizon_s` when
         `long`: the first deployment has no observed span to go by and is the costliest to change).
         """
         rates = np.maximum(np.asarray(rates, dtype=float), 0.0)
         rng = np.random.default_rng(self.config.seed)
         total = float(rates.sum())
-        empty = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0.0)
         if total <= 0:
-            return empty
+            none = np.zeros(0, dtype=np.int64)
+            return np.zeros(0), none, none, none, 0.0
         times, kinds = [], []
         if pattern is not None and len(pattern[0]) >= 10:
             offsets, types = np.asarray(pattern[0], dtype=float), np.asarray(pattern[1])
@@ -113,15 +123,15 @@ class DigitalTwin:
                 kinds.append(np.full(len(t), j))
             one = np.concatenate(times)
             kind1 = np.concatenate(kinds)
-            if 2 * len(one) <= self.config.max_requests:
+            if 2 * len(one) <= self.config.max_num_requests:
                 arrival = np.concatenate([one, one + span_s])
                 kind = np.concatenate([kind1, kind1])
                 warm = span_s
             else:
                 arrival, kind, warm = one, kind1, span_s / 3.0
         else:
-            seconds = (min(self.config.initial_seconds, self.config.initial_max_requests / total) if long
-                       else min(self.config.seconds, self.config.max_requests / total))
+            seconds = (min(self.config.initial_horizon_s, self.config.initial_max_num_requests / total) if long
+                       else min(self.config.horizon_s, self.config.max_num_requests / total))
             for j, lam in enumerate(rates):
                 n = int(rng.poisson(lam * seconds))
                 times.append(rng.random(n) * seconds)
@@ -142,8 +152,8 @@ class DigitalTwin:
     def score(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], rates: np.ndarray,
               route: Route, pattern: tuple[np.ndarray, np.ndarray] | None = None, span_s: float = 60.0,
               long: bool = False) -> float:
-        """P99 end-to-end latency (s) of the synthetic span's scored requests on `deployment` (see
-        `workload`); a request left unfinished counts as infinitely late."""
+        """Tail latency (s): the mean end-to-end latency of the slowest 2% of the synthetic span's scored
+        requests on `deployment` (see `workload`); a request left unfinished counts as infinitely late."""
         arrival, inp, out, kind, warm = self.workload(rates, pattern, span_s, long)
         if len(arrival) < 10 or not deployment.replicas:
             return 0.0 if deployment.replicas else float("inf")
