@@ -401,7 +401,8 @@ class OServePolicy(_Base):
     def _decide_by_twin(self, view: SpanView, rates: np.ndarray) -> Decision:
         """Candidates scored on a synthetic span of the forecast (`oserve.sim.twin`); switch when the best
         beats what runs by `switch_gain` and the capacity lost while switching is affordable. Scoring is
-        redone only when the forecast moved by `rescore_change` (relative L1) since the last scoring."""
+        redone only when the forecast moved (relative L1) by more than `rescore_change` and than Poisson
+        noise explains since the last scoring."""
         ctx = self.ctx
         current = view.current
         old = current.deployment if current else Deployment.empty()
@@ -416,18 +417,16 @@ class OServePolicy(_Base):
             if moved < max(self.rescore_change, 2.0 * noise) and a_cur.served_rps >= 0.999 * float(rates.sum()):
                 return Decision(old, weights_for(a_cur, n_cur), 0.0, tuple(rates), "reroute")
         self._scored_rates = np.array(rates, dtype=float)
+        pattern = view.true_next_arrivals if self.oracle else view.last_arrivals
         scored = []
         for i, dep in enumerate(self._candidates(rates, old)):
             n = ctx.table.matrix(dep.shapes())
             weights = weights_for(assign_even(rates, n), n)
-            pattern = view.true_next_arrivals if self.oracle else view.last_arrivals
             scored.append((self.twin.score(dep, weights, rates, least_loaded_among, pattern, view.span_s,
                                            long=current is None), i, dep, weights))
-        best_score, _, best, _ = min(scored, key=lambda x: (x[0], x[1]))
+        best_score, _, best, best_weights = min(scored, key=lambda x: (x[0], x[1]))
         if current is None:
-            target = best
-            n = ctx.table.matrix(target.shapes())
-            return Decision(target, weights_for(assign_even(rates, n), n), 0.0, tuple(rates), "initial")
+            return Decision(best, best_weights, 0.0, tuple(rates), "initial")
         cur_score = scored[0][0]  # the first candidate is what runs
         a_cur, n_cur = _served(ctx, old, rates)
         same = tuple(sorted(best.shapes())) == tuple(sorted(old.shapes()))
