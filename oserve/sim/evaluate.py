@@ -14,19 +14,19 @@ paper gave its baselines:
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from oserve.capacity import CapacityTable, LatencyTarget, homogeneous_rate
+from oserve.capacity import CapacityTable, LatencyTarget
 from oserve.errors import ConfigError, UnknownNameError
 from oserve.sim.cluster import SimConfig, SimResult, simulate
 from oserve.sim.policies import (Forecaster, OServePolicy, PlanningContext, StaticPolicy, SwitchCosts,
-                                 VllmReloadPolicy, homogeneous_deployment, llumnix)
+                                 VllmReloadPolicy, homogeneous_deployment, llumnix, static_capacity_rps)
 from oserve.sim.workloads import Workload
-from oserve.specs import ClusterSpec, GPUSpec, ModelSpec, ReplicaShape
+from oserve.specs import ClusterSpec, GPUSpec, ModelSpec
 
 POLICIES = ("oserve", "vllm-static", "vllm-reload", "llumnix", "oracle")
 
@@ -71,15 +71,6 @@ class Comparison:
 def mean_mix(w: Workload, num_types: int) -> np.ndarray:
     counts = np.bincount(w.type_index, minlength=num_types).astype(float)
     return counts / counts.sum()
-
-
-def static_capacity_rps(table: CapacityTable, cluster: ClusterSpec, mix: np.ndarray) -> list[tuple[float, ReplicaShape]]:
-    """Modelled capacity of every homogeneous deployment for a mix, best first."""
-    out = []
-    for shape in table.shapes(cluster.num_gpus):
-        count = len(homogeneous_deployment(cluster, shape).replicas)
-        out.append((homogeneous_rate(table, shape, mix) * count, shape))
-    return sorted(out, key=lambda x: (-x[0], x[1].num_gpus))
 
 
 def compare(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, workload: Workload, table: CapacityTable,

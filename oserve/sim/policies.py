@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from oserve.capacity import CapacityTable
+from oserve.capacity import CapacityTable, homogeneous_rate
 from oserve.errors import ConfigError, InfeasibleError
 from oserve.scheduler import Assignment, Plan, assign, search
 from oserve.scheduler.packing import place
@@ -257,6 +257,16 @@ def homogeneous_deployment(ctx: PlanningContext | ClusterSpec, shape: ReplicaSha
     raise InfeasibleError(f"no replica of {shape} packs on {cluster.name}")
 
 
+def static_capacity_rps(table: CapacityTable, cluster: ClusterSpec,
+                        mix: np.ndarray) -> list[tuple[float, ReplicaShape]]:
+    """Modelled capacity of every homogeneous deployment for a mix (fractions summing to 1), best first. Pure."""
+    out = []
+    for shape in table.shapes(cluster.num_gpus):
+        count = len(homogeneous_deployment(cluster, shape).replicas)
+        out.append((homogeneous_rate(table, shape, mix) * count, shape))
+    return sorted(out, key=lambda x: (-x[0], x[1].num_gpus))
+
+
 def best_homogeneous(ctx: PlanningContext, rates: np.ndarray) -> tuple[Deployment, object]:
     """The homogeneous deployment that serves `rates` best (served rate, then lowest peak utilisation)."""
     best = None
@@ -381,15 +391,8 @@ class OServePolicy(_Base):
             out.append(search(self.search_name, ctx.model, ctx.cluster, rates, ctx.table, config=cfg).deployment)
         total = float(np.sum(rates))
         if total > 0:
-            homog = []
-            for shape in _homogeneous_candidates(ctx):
-                try:
-                    dep = homogeneous_deployment(ctx, shape)
-                except (ConfigError, InfeasibleError):
-                    continue
-                homog.append((mix_capacity_rps(ctx.table.matrix([shape])[0], rates) * len(dep.replicas), dep))
-            homog.sort(key=lambda x: -x[0])
-            out += [dep for _, dep in homog[:3]]
+            ranked = static_capacity_rps(ctx.table, ctx.cluster, np.asarray(rates, dtype=float) / total)
+            out += [homogeneous_deployment(ctx, shape) for _, shape in ranked[:3]]
         seen, unique = set(), []
         for dep in out:
             key = tuple(sorted(dep.shapes()))
