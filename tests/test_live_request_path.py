@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from contextlib import AsyncExitStack
 
@@ -130,13 +131,15 @@ def test_client_errors_are_clear(server) -> None:
             stack.push_async_callback(client.close)
             with pytest.raises(NoGateway):
                 await client.submit(input_tokens=5, timeout_s=2)
-            # a gateway with no replica answers no_replica; a request nobody answers times out
+            # a gateway with no replica answers no_replica once its wait for one runs out;
+            # a request nobody answers times out
             nc = client.nc
-            gw = Gateway(nc, GatewayConfig(subjects=subjects), Clock())
+            gw = Gateway(nc, GatewayConfig(subjects=subjects, no_replica_wait_wall_s=0.3), Clock())
             await stack.enter_async_context(gw)
             with pytest.raises(RequestRejected) as info:
                 await client.submit(input_tokens=5, timeout_s=2)
-            assert info.value.code == ErrorCode.NO_REPLICA
+            assert info.value.code == ErrorCode.NO_REPLICA and "0.3 s" in info.value.message
+            assert not gw.pending
             await nc.subscribe(subjects.replica("mute"), cb=_ignore)
             await nc.publish(subjects.heartbeat("mute"), encode(_heartbeat("mute")))
             await gw.wait_for_replicas(1, 5)
@@ -203,6 +206,51 @@ def test_a_dead_replicas_requests_are_redispatched(server) -> None:
             assert gw.num_redispatched >= lost_there
             assert gw.live_replicas == [engines[1].config.replica_id]
             await wait_until(lambda: not gw.pending, 5, "the gateway to see every completion")
+
+    asyncio.run(asyncio.wait_for(main(), 40))
+
+
+def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> None:
+    """A moment with no live replica (all silent or restarting) delays new requests; it does not refuse them."""
+    num = 5
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, replica_ids=("r0",), speedup=50.0,
+                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+            await engines[0].stop()
+            await wait_until(lambda: not gw.live_replicas, 5, "the gateway to see the replica die")
+            tasks = [asyncio.create_task(client.submit(input_tokens=50, max_tokens=20, request_id=f"w{i}",
+                                                       timeout_s=20)) for i in range(num)]
+            await wait_until(lambda: len(gw.pending) == num, 5, "the requests to be held")
+            assert all(p.replica_id is None for p in gw.pending.values())
+            cfg = EngineWorkerConfig("r1", subjects=subjects, **FAST_HB)
+            fresh = await stack.enter_async_context(EngineWorker(nc, cfg, Clock(speedup=50.0)))
+            replies = await asyncio.gather(*tasks)
+            assert sorted(r.request_id for r in replies) == sorted(f"w{i}" for i in range(num))
+            assert {r.replica_id for r in replies} == {"r1"} and fresh.num_answered == num
+            assert gw.num_redispatched == 0 and gw.num_failed == 0  # a first dispatch, not a retry
+
+    asyncio.run(asyncio.wait_for(main(), 40))
+
+
+def test_a_stalled_gateway_does_not_declare_its_replicas_dead(server) -> None:
+    """The gateway's own stall (its loop blocked) is not the replicas' silence: nobody is declared dead."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, speedup=50.0,
+                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+            await asyncio.sleep(0.1)
+            time.sleep(1.0)  # the whole process stalls, heartbeat senders and the failure detector alike
+            await asyncio.sleep(0.2)
+            assert sorted(gw.live_replicas) == ["r0", "r1"] and gw.num_declared_dead == 0
+            reply = await client.submit(input_tokens=50, max_tokens=20, timeout_s=10)
+            assert reply.replica_id in ("r0", "r1") and gw.num_redispatched == 0
+            await engines[0].stop()  # a real death is still seen
+            await wait_until(lambda: gw.live_replicas == ["r1"], 5, "the gateway to see r0 die")
+            assert gw.num_declared_dead == 1
 
     asyncio.run(asyncio.wait_for(main(), 40))
 

@@ -12,7 +12,12 @@
   replica that misses heartbeats for `heartbeat_timeout_wall_s` is declared dead and its unanswered
   requests are re-dispatched (engines de-duplicate by inbox prefix and request id); one that finds no
   live replica waits until a replica becomes eligible (a new id or one come back), and is answered
-  `no_replica` if the gateway drains first. An engine's error replies are `released` in its `Completed`
+  `no_replica` if the gateway drains first. A new request that finds no live replica is held the same
+  way for up to `no_replica_wait_wall_s`, so a moment without replicas (all of them restarting, or
+  silent through a stall) delays requests instead of refusing them.
+- The failure detector does not count its own stalls: when the gateway's loop wakes late (a long
+  garbage collection, a thread holding the interpreter, a paused process), the lateness is credited
+  to every replica's silence, because no heartbeat could have been read meanwhile. An engine's error replies are `released` in its `Completed`
   events, so the gateway forgets them too. A request id still in flight for another client (another
   inbox prefix) is refused `invalid`, never served with the first client's answer.
 - Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
@@ -58,6 +63,9 @@ class GatewayConfig:
     """Input plus max tokens allowed for one request."""
     heartbeat_timeout_wall_s: float = 2.0
     """A replica silent for this long (wall seconds) is dead; its requests are re-dispatched."""
+    no_replica_wait_wall_s: float = 5.0
+    """A new request that finds no live replica waits this long (wall seconds) for one, then is answered
+    `no_replica`; 0 answers at once."""
     liveness_check_wall_s: float = 0.25
     arrival_flush_wall_s: float = 0.05
     """Accepted requests are batched into one `Arrived` event for at most this long."""
@@ -73,6 +81,8 @@ class GatewayConfig:
         for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not self.no_replica_wait_wall_s >= 0:
+            raise ValueError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
 
 
 @dataclass(slots=True)
@@ -88,6 +98,8 @@ class _Pending:
     reply: str
     headers: dict[str, str] | None
     replica_id: str | None  # None: waiting for a live replica
+    wait_until_wall_s: float | None = None
+    """Set while a request never dispatched waits for a replica: answered `no_replica` after this time."""
 
 
 class Gateway(Worker):
@@ -115,6 +127,7 @@ class Gateway(Worker):
         self.num_rejected = 0
         self.num_redispatched = 0
         self.num_failed = 0
+        self.num_declared_dead = 0  # replicas declared dead for missing heartbeats (a replica may come back)
         self.num_errors = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -276,23 +289,30 @@ class Gateway(Worker):
                                    f"{len(self.pending)} requests in flight at this gateway; retry later")
                 return
             replica_id = self._route(type_index)
-            if replica_id is None:
+            if replica_id is None and cfg.no_replica_wait_wall_s == 0:
                 await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")
                 return
             d = Dispatch(request_id=req.request_id, input_tokens=input_tokens, max_tokens=max_tokens,
                          type_index=type_index, gateway_id=cfg.gateway_id)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
-            if span is not None:
-                span.set_attribute("oserve.replica_id", replica_id)
-            # owned only once forwarded: a failed publish is answered INTERNAL by the outer handler
-            # and must never be re-dispatched later
-            await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
-                                  headers=dict(headers) if headers else None)
-            self.pending[req.request_id] = _Pending(d, msg.reply, headers, replica_id)
+            if replica_id is None:  # held until a replica becomes eligible or the wait runs out
+                if span is not None:
+                    span.add_event("waiting_for_replica")
+                self.pending[req.request_id] = _Pending(d, msg.reply, headers, None, wait_until_wall_s=(
+                    asyncio.get_running_loop().time() + cfg.no_replica_wait_wall_s))
+                self._maybe_unrouted = True
+            else:
+                if span is not None:
+                    span.set_attribute("oserve.replica_id", replica_id)
+                # owned only once forwarded: a failed publish is answered INTERNAL by the outer handler
+                # and must never be re-dispatched later
+                await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
+                                      headers=dict(headers) if headers else None)
+                self.pending[req.request_id] = _Pending(d, msg.reply, headers, replica_id)
             self.num_accepted += 1
             self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
                                           input_tokens=input_tokens, est_output_tokens=est,
-                                          type_index=type_index, replica_id=replica_id))
+                                          type_index=type_index, replica_id=replica_id or ""))
         finally:
             if span is not None:
                 span.end()
@@ -313,7 +333,8 @@ class Gateway(Worker):
     # --- nothing lost --------------------------------------------------------------------------------
 
     async def _redispatch(self, rid: str, p: _Pending) -> None:
-        attempt = p.dispatch.attempt + 1
+        first = p.wait_until_wall_s is not None  # held since it came in: this is its first dispatch
+        attempt = p.dispatch.attempt + (0 if first else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
             self.num_failed += 1
@@ -328,8 +349,9 @@ class Gateway(Worker):
             self._maybe_unrouted = True
             return
         p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt)
-        p.replica_id = target
-        self.num_redispatched += 1
+        p.replica_id, p.wait_until_wall_s = target, None
+        if not first:
+            self.num_redispatched += 1
         await self.nc.publish(self.config.subjects.replica(target), encode(p.dispatch), reply=p.reply,
                               headers=dict(p.headers) if p.headers else None)
 
@@ -349,21 +371,42 @@ class Gateway(Worker):
                         request_id=rid, code=ErrorCode.NO_REPLICA,
                         message="no live replica took the request before the gateway shut down")))
 
+    async def _answer_expired_waits(self, now: float) -> None:
+        """Answer `no_replica` to new requests that waited their whole `no_replica_wait_wall_s` for a replica."""
+        for rid, p in list(self.pending.items()):
+            if p.replica_id is None and p.wait_until_wall_s is not None and now >= p.wait_until_wall_s:
+                del self.pending[rid]
+                self.num_failed += 1
+                if p.reply:
+                    await self.nc.publish(p.reply, encode(ErrorReply(
+                        request_id=rid, code=ErrorCode.NO_REPLICA,
+                        message=f"no live replica to serve the request within "
+                                f"{self.config.no_replica_wait_wall_s:g} s; retry later")))
+
     async def _liveness_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        interval = self.config.liveness_check_wall_s
         while True:
-            await asyncio.sleep(self.config.liveness_check_wall_s)
+            before = loop.time()
+            await asyncio.sleep(interval)
             now = loop.time()
+            stall = now - before - interval
+            if stall > 0:  # this loop could not run, so no heartbeat could be read: not their silence
+                for r in self._replicas.values():
+                    r.last_seen_wall_s = min(now, r.last_seen_wall_s + stall)
             dead = [rid for rid, r in self._replicas.items()
                     if r.alive and now - r.last_seen_wall_s > self.config.heartbeat_timeout_wall_s]
             for rid in dead:
                 self._replicas[rid].alive = False
+                self.num_declared_dead += 1
                 log.warning("%s: replica %s missed heartbeats; re-dispatching its requests",
                             self.config.gateway_id, rid)
             if dead:
                 self._refresh_eligible()
-            elif not (self._maybe_unrouted and self._eligible):
+            elif not self._maybe_unrouted:
                 continue  # nothing died and nothing waits: no scan of `pending`
+            if self._maybe_unrouted and not self._eligible:
+                await self._answer_expired_waits(now)
             gone = set(dead)
             for req_id, p in list(self.pending.items()):
                 if p.replica_id in gone or (p.replica_id is None and self._eligible):
