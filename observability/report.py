@@ -120,3 +120,28 @@ def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: Path, title: str = "") -> Path:
+    """P99 of every fixed deployment, best first (bars), with the policies' P99s as horizontal lines.
+
+    `outcomes`: `oserve bench ceiling` rows (label, p99_e2e_s, dropped); `references`: policy -> P99.
+    """
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.32 * len(outcomes) + 3), 5))
+    x = np.arange(len(outcomes))
+    vals = [o["p99_e2e_s"] if np.isfinite(o["p99_e2e_s"]) else np.nan for o in outcomes]
+    colours = ["tab:red" if o["dropped"] else "tab:blue" for o in outcomes]
+    ax.bar(x, vals, 0.8, color=colours)
+    styles = ("-", "--", ":", "-.")
+    for i, (name, p99) in enumerate(references.items()):
+        ax.axhline(p99, color="black", lw=1.0, ls=styles[i % len(styles)], label=f"{name}: {p99:.1f} s")
+    ax.set_xticks(x, [o["label"] for o in outcomes], rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("P99 end-to-end latency (s)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title or "Every fixed deployment (red: some requests dropped)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -25,6 +25,21 @@ def test_simulate_json_and_plots(monkeypatch, capsys, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "summary.json").read_text())["scenario"] == "S1"
 
 
+def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "ceiling", "--trace", "S1", "--minutes", "1", "--gpus",
+                             "8", "--max-replicas", "2", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    result = json.loads(out)
+    rows = result["outcomes"]
+    assert result["deployments"] == len(rows) > 1 and result["best"] == rows[0]
+    assert [r["p99_e2e_s"] for r in rows if not r["dropped"]] == sorted(r["p99_e2e_s"] for r in rows if not r["dropped"])
+    assert all(r["replicas"] <= 2 for r in rows)
+    assert set(result["p99"]) == {"oserve", "vllm-static", "oracle"}
+    assert result["static_over_best"] >= 1.0  # static's shape is among the fixed deployments tried
+    assert (tmp_path / "fixed_deployments.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "ceiling.json").read_text())["scenario"] == "S1"
+
+
 @pytest.mark.parametrize("args, message", [
     (("simulate", "--policy", "vllm-magic", "--minutes", "1"), "unknown policy 'vllm-magic'"),
     (("simulate", "--model", "gpt-9", "--minutes", "1"), "unknown model 'gpt-9'"),
@@ -33,6 +48,7 @@ def test_simulate_json_and_plots(monkeypatch, capsys, tmp_path: Path) -> None:
     (("demo", "--model", "gpt-9"), "unknown model 'gpt-9'"),
     (("simulate", "--load", "-1"), "--load must be > 0"),
     (("simulate", "--minutes", "0"), "--minutes must be > 0"),
+    (("bench", "ceiling", "--max-replicas", "0"), "--max-replicas must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) -> None:
     code, out, err = run_cli(monkeypatch, capsys, *args)

@@ -237,3 +237,71 @@ def bench_e2e(
                                                  for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
     t.add_row("mean", "", *(f"{result['mean_speedup_p99'][k]:.2f}" for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
     out_console().print(t)
+
+
+@bench_app.command("ceiling")
+def bench_ceiling(
+    trace: str = typer.Option("S1", help="A scenario, as for `oserve simulate --trace`."),
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
+    minutes: float = typer.Option(10.0, help="Length of the workload (every deployment simulates all of it)."),
+    max_replicas: int = typer.Option(4, help="Deployments of at most this many replicas are tried."),
+    top: int = typer.Option(10, help="Deployments shown in the table."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Path = typer.Option(None, help="Write ceiling.json and fixed_deployments.png here."),
+) -> None:
+    """Every fixed deployment of the cluster, simulated: the best is the ceiling of what picking a
+    deployment can reach without switching. Shown beside OServe, vllm-static and the oracle."""
+    from oserve.sim.ceiling import fixed_deployment_outcomes
+
+    from oserve.errors import ConfigError
+
+    if max_replicas < 1:
+        raise ConfigError(f"--max-replicas must be >= 1, got {max_replicas}")
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    scenario, comparison, cluster = _run(trace, model, gpus, ("oserve", "vllm-static", "oracle"), load, minutes,
+                                         60.0, 0, console)
+    from oserve.specs import model_preset
+
+    spec = model_preset(model)
+    with _progress(console) as bar:
+        task = bar.add_task(f"{scenario.name}: fixed deployments", total=None)
+        outcomes = fixed_deployment_outcomes(spec, cluster.gpu, cluster, scenario.workload, scenario.table,
+                                             max_replicas=max_replicas,
+                                             progress=lambda done, total: bar.update(task, completed=done,
+                                                                                     total=total))
+    refs = {name: r.percentile("e2e", 99) for name, r in comparison.results.items()}
+    rows = [{"label": o.label, "replicas": len(o.shapes), "p99_e2e_s": o.p99_e2e_s, "dropped": o.dropped}
+            for o in outcomes]
+    best = outcomes[0]
+    result = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "minutes": minutes,
+              "requests": len(scenario.workload), "max_replicas": max_replicas, "deployments": len(rows),
+              "best": rows[0], "p99": refs, "static_shape": comparison.static_shape,
+              "oserve_over_best": refs["oserve"] / best.p99_e2e_s if best.p99_e2e_s > 0 else math.nan,
+              "static_over_best": refs["vllm-static"] / best.p99_e2e_s if best.p99_e2e_s > 0 else math.nan,
+              "seconds": time.perf_counter() - start, "outcomes": rows}
+    if out is not None:
+        from oserve.observability import report
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ceiling.json").write_text(json.dumps(result, indent=2))
+        report.fixed_deployments(rows, refs, out / "fixed_deployments.png",
+                                 f"{scenario.name} on {gpus} GPUs: every fixed deployment's P99")
+        result["report"] = str(out)
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    t = Table(title=f"{scenario.name}, {len(scenario.workload)} requests on {gpus} GPUs: the best of "
+                    f"{len(rows)} fixed deployments")
+    for c in ("deployment", "P99 (s)", "dropped", "P99 / best"):
+        t.add_column(c, justify="left" if c == "deployment" else "right")
+    for r in rows[:top]:
+        t.add_row(r["label"], _fmt(r["p99_e2e_s"]), str(r["dropped"]), f"{r['p99_e2e_s'] / best.p99_e2e_s:.2f}")
+    for name, p99 in refs.items():
+        t.add_row(f"[bold]{name}[/bold]", _fmt(p99), str(int(comparison.results[name].dropped.sum())),
+                  f"{p99 / best.p99_e2e_s:.2f}")
+    out_console().print(t)
+    out_console().print(f"vllm-static chose {comparison.static_shape}; {time.perf_counter() - start:.1f} s"
+                        + (f"; report in {out}" if out else ""))
