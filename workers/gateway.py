@@ -14,12 +14,13 @@
   live replica waits until a replica becomes eligible (a new id or one come back), and is answered
   `no_replica` if the gateway drains first. A new request that finds no live replica is held the same
   way for up to `no_replica_wait_wall_s`, so a moment without replicas (all of them restarting, or
-  silent through a stall) delays requests instead of refusing them.
+  silent through a stall) delays requests instead of refusing them. An engine's error replies are
+  `released` in its `Completed` events, so the gateway forgets them too. A request id still in flight
+  for another client (another inbox prefix) is refused `invalid`, never served with the first
+  client's answer.
 - The failure detector does not count its own stalls: when the gateway's loop wakes late (a long
-  garbage collection, a thread holding the interpreter, a paused process), the lateness is credited
-  to every replica's silence, because no heartbeat could have been read meanwhile. An engine's error replies are `released` in its `Completed`
-  events, so the gateway forgets them too. A request id still in flight for another client (another
-  inbox prefix) is refused `invalid`, never served with the first client's answer.
+  garbage collection, a thread holding the interpreter, a paused process), the lateness is taken off
+  every replica's silence, because no heartbeat could have been read meanwhile.
 - Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
 """
 
