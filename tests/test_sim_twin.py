@@ -12,8 +12,10 @@ from oserve.scheduler import assign
 from oserve.sim.cluster import Decision, simulate
 from oserve.sim.policies import (OServePolicy, PlanningContext, assign_even, homogeneous_deployment,
                                  least_loaded_among, weights_for)
-from oserve.sim.twin import DigitalTwin, TwinConfig
+from oserve.sim.ceiling import deployment_multisets
+from oserve.sim.twin import DigitalTwin, TwinConfig, local_search, neighbours
 from oserve.sim.workloads import from_trace, scale_volume
+from oserve.sim.cluster import SpanView
 from oserve.specs import GPUS, Deployment, ReplicaShape, cluster_for_gpus, model_preset
 from oserve.workload import fit_types, load_trace
 
@@ -130,7 +132,7 @@ def test_oserve_deploys_the_candidate_the_twin_scores_best(conv):
     cluster = cluster_for_gpus(16)
     w = scale_volume(from_trace(trace.slice_time(0, 120), types), 3.0, np.random.default_rng(1))
     ctx = PlanningContext(LLAMA, cluster, table, initial_rps=w.first_span_rps(60.0, 4))
-    policy = OServePolicy(ctx)
+    policy = OServePolicy(ctx, neighbour_steps=0)  # the candidates alone (the neighbour search: below)
     rates = np.asarray(ctx.initial_rps, dtype=float)
     candidates = policy._candidates(rates, Deployment.empty())
     assert len(candidates) >= 3
@@ -152,3 +154,77 @@ def test_twin_config_is_validated():
         TwinConfig(horizon_s=10.0, warmup_s=20.0)
     with pytest.raises(ConfigError, match="max_num_requests"):
         TwinConfig(max_num_requests=3)
+
+
+SHAPES = sorted({ReplicaShape(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 3, 4)})
+multisets = st.lists(st.sampled_from(SHAPES[:10]), min_size=1, max_size=3).map(lambda x: tuple(sorted(x)))
+
+
+def _one_move(a: tuple, b: tuple) -> bool:
+    """Reference: b is a from one replace (same GPUs), split or merge, by multiset difference."""
+    from collections import Counter
+
+    gone, new = Counter(a) - Counter(b), Counter(b) - Counter(a)
+    out, came = list(gone.elements()), list(new.elements())
+    if sum(s.num_gpus for s in out) != sum(s.num_gpus for s in came):
+        return False
+    return (len(out), len(came)) in ((1, 1), (1, 2), (2, 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(multisets, st.lists(st.sampled_from(SHAPES), min_size=1, max_size=8, unique=True))
+def test_neighbours_are_exactly_the_deployments_one_move_away(start, valid) -> None:
+    valid = sorted(set(valid) | set(start))
+    got = neighbours(start, valid)
+    total = sum(s.num_gpus for s in start)
+    # reference: every multiset of the valid shapes on as many GPUs with one replica more at most, filtered
+    reference = {tuple(sorted(c)) for c in deployment_multisets(valid, total, len(start) + 1)}
+    assert got == {c for c in reference if c != start and _one_move(start, c)}
+    for nb in got:
+        assert list(nb) == sorted(nb) and start in neighbours(nb, valid)  # symmetric: a split undoes a merge
+
+
+@settings(max_examples=40, deadline=None)
+@given(multisets, st.integers(0, 2**31), st.sampled_from([0.0, 0.05]))
+def test_local_search_stops_at_a_local_minimum_and_scores_each_deployment_once(start, seed, min_gain) -> None:
+    calls: dict[tuple, int] = {}
+
+    def score(ms: tuple) -> float | None:
+        calls[ms] = calls.get(ms, 0) + 1
+        h = hash((ms, seed)) % 1000
+        return None if h < 100 else float(h)  # some deployments are not allowed
+
+    start_score = 500.0
+    reached, value = local_search(start, start_score, SHAPES, score, max_steps=50, min_gain=min_gain)
+    assert max(calls.values(), default=1) == 1 and value <= start_score
+    if reached != start:
+        assert value == score(reached)
+    allowed = [score(nb) for nb in neighbours(reached, SHAPES)]
+    assert all(v is None or v >= value * (1 - min_gain) for v in allowed)  # no neighbour is better enough
+
+
+def test_first_deployment_search_beats_the_candidates_without_giving_up_headroom(conv):
+    """The S5-like short-heavy mix: the candidates' best is not the twin's best deployment one move away."""
+    from oserve.sim.evaluate import build_scenario
+
+    _, types, table = conv
+    cluster = cluster_for_gpus(16)
+    scenario = build_scenario("S5", LLAMA, H100, cluster, minutes=2)
+    ctx = PlanningContext(LLAMA, cluster, scenario.table, initial_rps=scenario.workload.first_span_rps(60.0, 4))
+    view = SpanView(0, 0.0, 60.0, np.zeros((0, 4)), None, None)
+    quick = TwinConfig(initial_horizon_s=240.0)  # a shorter first span than the default 600 s, for speed
+    plain = OServePolicy(ctx, twin=quick, neighbour_steps=0).decide(view)
+    policy = OServePolicy(ctx, twin=quick)
+    searched = policy.decide(view)
+    rates = np.asarray(ctx.initial_rps, dtype=float)
+
+    def score_and_util(dep):
+        n = scenario.table.matrix(dep.shapes())
+        a = assign_even(rates, n)
+        return policy.twin.score(dep, weights_for(a, n), rates, least_loaded_among, long=True), a.peak_utilisation
+
+    s_plain, u_plain = score_and_util(plain.deployment)
+    s_searched, u_searched = score_and_util(searched.deployment)
+    assert sorted(searched.deployment.shapes()) != sorted(plain.deployment.shapes())
+    assert s_searched < 0.95 * s_plain and u_searched <= 1.05 * u_plain
+    assert sum(r.shape.num_gpus for r in searched.deployment.replicas) <= cluster.num_gpus
