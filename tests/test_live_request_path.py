@@ -235,6 +235,28 @@ def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> Non
     asyncio.run(asyncio.wait_for(main(), 40))
 
 
+def test_a_retry_of_a_held_request_is_answered_on_the_retrys_inbox(server) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, replica_ids=("r0",), speedup=50.0,
+                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+            await engines[0].stop()
+            await wait_until(lambda: not gw.live_replicas, 5, "the gateway to see the replica die")
+            with pytest.raises(RequestTimeout):  # the client gives up first, and retries
+                await client.submit(input_tokens=50, max_tokens=20, request_id="held", timeout_s=0.3)
+            retry = asyncio.create_task(client.submit(input_tokens=50, max_tokens=20, request_id="held",
+                                                      timeout_s=20))
+            await asyncio.sleep(0.2)
+            assert not retry.done() and len(gw.pending) == 1  # still held, not refused
+            cfg = EngineWorkerConfig("r1", subjects=subjects, **FAST_HB)
+            await stack.enter_async_context(EngineWorker(nc, cfg, Clock(speedup=50.0)))
+            reply = await retry
+            assert reply.request_id == "held" and reply.replica_id == "r1"
+
+    asyncio.run(asyncio.wait_for(main(), 40))
+
+
 def test_a_stalled_gateway_does_not_declare_its_replicas_dead(server) -> None:
     """The gateway's own stall (its loop blocked) is not the replicas' silence: nobody is declared dead."""
     async def main() -> None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oserve.scheduler.packing import place
-from oserve.sim.ceiling import FixedDeploymentPolicy, deployment_multisets, fixed_deployment_outcomes
+from oserve.sim.ceiling import deployment_multisets, fixed_deployment_outcomes, fixed_deployment_policy
 from oserve.sim.cluster import simulate
 from oserve.sim.evaluate import build_scenario
 from oserve.specs import ReplicaShape, cluster_for_gpus, model_preset
@@ -56,5 +56,5 @@ def test_every_fixed_deployment_is_simulated_and_ranked() -> None:
     k = len(scenario.table.type_names)
     rates = np.bincount(w.type_index, minlength=k) / w.duration_s
     res = simulate(model, cluster.gpu, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, k,
-                   FixedDeploymentPolicy(place(list(best.shapes), cluster), scenario.table, rates))
+                   fixed_deployment_policy(place(list(best.shapes), cluster), scenario.table, rates))
     assert res.percentile("e2e", 99) == best.p99_e2e_s and int(res.dropped.sum()) == best.dropped

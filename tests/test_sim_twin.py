@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,13 +11,12 @@ from hypothesis import strategies as st
 
 from oserve.capacity import CapacityTable
 from oserve.scheduler import assign
-from oserve.sim.cluster import Decision, simulate
+from oserve.sim.ceiling import deployment_multisets
+from oserve.sim.cluster import Decision, SpanView, simulate
 from oserve.sim.policies import (OServePolicy, PlanningContext, assign_even, homogeneous_deployment,
                                  least_loaded_among, weights_for)
-from oserve.sim.ceiling import deployment_multisets
 from oserve.sim.twin import DigitalTwin, TwinConfig, local_search, neighbours
 from oserve.sim.workloads import from_trace, scale_volume
-from oserve.sim.cluster import SpanView
 from oserve.specs import GPUS, Deployment, ReplicaShape, cluster_for_gpus, model_preset
 from oserve.workload import fit_types, load_trace
 
@@ -162,8 +163,6 @@ multisets = st.lists(st.sampled_from(SHAPES[:10]), min_size=1, max_size=3).map(l
 
 def _one_move(a: tuple, b: tuple) -> bool:
     """Reference: b is a from one replace (same GPUs), split or merge, by multiset difference."""
-    from collections import Counter
-
     gone, new = Counter(a) - Counter(b), Counter(b) - Counter(a)
     out, came = list(gone.elements()), list(new.elements())
     if sum(s.num_gpus for s in out) != sum(s.num_gpus for s in came):
@@ -199,15 +198,15 @@ def test_local_search_stops_at_a_local_minimum_and_scores_each_deployment_once(s
     assert max(calls.values(), default=1) == 1 and value <= start_score
     if reached != start:
         assert value == score(reached)
-    allowed = [score(nb) for nb in neighbours(reached, SHAPES)]
-    assert all(v is None or v >= value * (1 - min_gain) for v in allowed)  # no neighbour is better enough
+    # no neighbour is better enough (the start keeps the score it was given; it is never rescored)
+    allowed = [start_score if nb == start else score(nb) for nb in neighbours(reached, SHAPES)]
+    assert all(v is None or v >= value * (1 - min_gain) for v in allowed)
 
 
-def test_first_deployment_search_beats_the_candidates_without_giving_up_headroom(conv):
+def test_first_deployment_search_beats_the_candidates_without_giving_up_headroom():
     """The S5-like short-heavy mix: the candidates' best is not the twin's best deployment one move away."""
     from oserve.sim.evaluate import build_scenario
 
-    _, types, table = conv
     cluster = cluster_for_gpus(16)
     scenario = build_scenario("S5", LLAMA, H100, cluster, minutes=2)
     ctx = PlanningContext(LLAMA, cluster, scenario.table, initial_rps=scenario.workload.first_span_rps(60.0, 4))
@@ -226,5 +225,4 @@ def test_first_deployment_search_beats_the_candidates_without_giving_up_headroom
     s_plain, u_plain = score_and_util(plain.deployment)
     s_searched, u_searched = score_and_util(searched.deployment)
     assert sorted(searched.deployment.shapes()) != sorted(plain.deployment.shapes())
-    assert s_searched < 0.95 * s_plain and u_searched <= 1.05 * u_plain
-    assert sum(r.shape.num_gpus for r in searched.deployment.replicas) <= cluster.num_gpus
+    assert s_searched < 0.9 * s_plain and u_searched <= 1.05 * u_plain

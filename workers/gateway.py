@@ -20,7 +20,10 @@
   client's answer.
 - The failure detector does not count its own stalls: when the gateway's loop wakes late (a long
   garbage collection, a thread holding the interpreter, a paused process), the lateness is taken off
-  every replica's silence, because no heartbeat could have been read meanwhile.
+  every replica's silence, up to the longest time since the last check in which the gateway read no
+  heartbeat of any replica. A loop that is only busy keeps reading the live replicas' heartbeats,
+  so little is taken off and a dead replica is still found.
+- Held requests are published in `Arrived` events with `replica_id` "" (none yet).
 - Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
 """
 
@@ -122,6 +125,8 @@ class Gateway(Worker):
         self._arrivals: list[Arrival] = []
         self._replicas_changed = asyncio.Event()
         self._maybe_unrouted = False  # some pending request may wait for a live replica (replica_id None)
+        self._last_heartbeat_read_wall_s = float("-inf")
+        self._heartbeat_read_gap_s = 0.0  # longest gap between heartbeat reads since the last liveness check
         self.strategy_id = ""
         # counters
         self.num_accepted = 0
@@ -185,6 +190,8 @@ class Gateway(Worker):
             return
         assert isinstance(hb, Heartbeat)
         now = asyncio.get_running_loop().time()
+        self._heartbeat_read_gap_s = max(self._heartbeat_read_gap_s, now - self._last_heartbeat_read_wall_s)
+        self._last_heartbeat_read_wall_s = now
         r = self._replicas.get(hb.replica_id)
         if r is None:
             self._replicas[hb.replica_id] = _Replica(now, hb.accepting)
@@ -276,6 +283,10 @@ class Gateway(Worker):
                     await self._reject(msg, req.request_id, ErrorCode.INVALID,
                                        "request id already in flight for another client; choose a unique id")
                     return
+                if existing.wait_until_wall_s is not None:
+                    # a retry of a request held since it came in: answered on the retry's inbox, in time
+                    existing.reply = msg.reply
+                    return
                 if existing.replica_id is None:
                     await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA,
                                        "no live replica to serve the request yet; retry later")
@@ -364,7 +375,7 @@ class Gateway(Worker):
     async def _answer_unrouted(self) -> None:
         """Answer every request still waiting for a live replica with an error (the gateway is going away)."""
         for rid, p in list(self.pending.items()):
-            if p.replica_id is None:
+            if p.replica_id is None and self.pending.get(rid) is p:  # publishing may yield meanwhile
                 del self.pending[rid]
                 self.num_failed += 1
                 if p.reply:
@@ -375,7 +386,8 @@ class Gateway(Worker):
     async def _answer_expired_waits(self, now: float) -> None:
         """Answer `no_replica` to new requests that waited their whole `no_replica_wait_wall_s` for a replica."""
         for rid, p in list(self.pending.items()):
-            if p.replica_id is None and p.wait_until_wall_s is not None and now >= p.wait_until_wall_s:
+            if (p.replica_id is None and p.wait_until_wall_s is not None and now >= p.wait_until_wall_s
+                    and self.pending.get(rid) is p):  # publishing may yield meanwhile
                 del self.pending[rid]
                 self.num_failed += 1
                 if p.reply:
@@ -391,8 +403,12 @@ class Gateway(Worker):
             before = loop.time()
             await asyncio.sleep(interval)
             now = loop.time()
-            stall = now - before - interval
-            if stall > 0:  # this loop could not run, so no heartbeat could be read: not their silence
+            # lateness during which no heartbeat (of any replica) was read: the gateway could not read
+            # then, so it is not the replicas' silence; a loop that is only busy keeps reading
+            read_gap = max(self._heartbeat_read_gap_s, now - self._last_heartbeat_read_wall_s)
+            self._heartbeat_read_gap_s = 0.0
+            stall = min(now - before - interval, read_gap)
+            if stall > 0:
                 for r in self._replicas.values():
                     r.last_seen_wall_s = min(now, r.last_seen_wall_s + stall)
             dead = [rid for rid, r in self._replicas.items()
@@ -410,6 +426,8 @@ class Gateway(Worker):
                 await self._answer_expired_waits(now)
             gone = set(dead)
             for req_id, p in list(self.pending.items()):
+                if self.pending.get(req_id) is not p:
+                    continue  # answered or dropped while an earlier publish yielded
                 if p.replica_id in gone or (p.replica_id is None and self._eligible):
                     await self._redispatch(req_id, p)
             self._maybe_unrouted = any(p.replica_id is None for p in self.pending.values())

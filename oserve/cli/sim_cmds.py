@@ -251,14 +251,16 @@ def bench_ceiling(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write ceiling.json and fixed_deployments.png here."),
 ) -> None:
-    """Every fixed deployment of the cluster, simulated: the best is the ceiling of what picking a
-    deployment can reach without switching. Shown beside OServe, vllm-static and the oracle."""
+    """Every fixed deployment of the cluster, simulated with OServe's routing: the best is what choosing
+    one such deployment can reach. Shown beside OServe, vllm-static and the oracle."""
     from oserve.sim.ceiling import fixed_deployment_outcomes
 
     from oserve.errors import ConfigError
 
     if max_replicas < 1:
         raise ConfigError(f"--max-replicas must be >= 1, got {max_replicas}")
+    if top < 1:
+        raise ConfigError(f"--top must be >= 1, got {top}")
     console = Console(stderr=True)
     start = time.perf_counter()
     scenario, comparison, cluster = _run(trace, model, gpus, ("oserve", "vllm-static", "oracle"), load, minutes,
@@ -276,11 +278,14 @@ def bench_ceiling(
     rows = [{"label": o.label, "replicas": len(o.shapes), "p99_e2e_s": o.p99_e2e_s, "dropped": o.dropped}
             for o in outcomes]
     best = outcomes[0]
+
+    def over_best(p99: float) -> float:
+        return p99 / best.p99_e2e_s if 0 < best.p99_e2e_s < math.inf else math.nan
+
     result = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "minutes": minutes,
               "requests": len(scenario.workload), "max_replicas": max_replicas, "deployments": len(rows),
               "best": rows[0], "p99": refs, "static_shape": comparison.static_shape,
-              "oserve_over_best": refs["oserve"] / best.p99_e2e_s if best.p99_e2e_s > 0 else math.nan,
-              "static_over_best": refs["vllm-static"] / best.p99_e2e_s if best.p99_e2e_s > 0 else math.nan,
+              "oserve_over_best": over_best(refs["oserve"]), "static_over_best": over_best(refs["vllm-static"]),
               "seconds": time.perf_counter() - start, "outcomes": rows}
     if out is not None:
         from oserve.observability import report
@@ -298,10 +303,10 @@ def bench_ceiling(
     for c in ("deployment", "P99 (s)", "dropped", "P99 / best"):
         t.add_column(c, justify="left" if c == "deployment" else "right")
     for r in rows[:top]:
-        t.add_row(r["label"], _fmt(r["p99_e2e_s"]), str(r["dropped"]), f"{r['p99_e2e_s'] / best.p99_e2e_s:.2f}")
+        t.add_row(r["label"], _fmt(r["p99_e2e_s"]), str(r["dropped"]), _fmt(over_best(r["p99_e2e_s"])))
     for name, p99 in refs.items():
         t.add_row(f"[bold]{name}[/bold]", _fmt(p99), str(int(comparison.results[name].dropped.sum())),
-                  f"{p99 / best.p99_e2e_s:.2f}")
+                  _fmt(over_best(p99)))
     out_console().print(t)
     out_console().print(f"vllm-static chose {comparison.static_shape}; {time.perf_counter() - start:.1f} s"
                         + (f"; report in {out}" if out else ""))

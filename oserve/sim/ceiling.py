@@ -1,12 +1,13 @@
 """The best fixed deployment, by exhaustive search: how far choosing a deployment alone can go. Pure.
 
 OServe's gain over `vllm-static` comes from the deployment it picks (replica shapes that suit the
-mix, types kept apart) and from switching when the mix moves. The first part has a ceiling that can
-be measured: simulate every deployment the cluster can hold (each multiset of replica shapes that
+mix, types kept apart) and from switching when the mix moves. The first part can be bounded by
+measurement: simulate every deployment the cluster can hold (each multiset of replica shapes that
 uses all its GPUs, up to `max_replicas` replicas) on the whole workload, each routed as OServe
 routes (the exact even assignment of the workload's mean rates gives each type its replicas; among
-them, the least loaded), and keep the lowest P99. No deployment policy that never switches can beat
-it, whatever its planner, and a planner that switches beats it only by following the mix.
+them, the least loaded), and keep the lowest P99. That is the best any planner can do by choosing
+one such deployment for this routing; beating it takes switching, re-routing as the mix moves, or
+another router. One run per deployment, so the ranking carries the noise of one P99 sample.
 
 Exhaustive, so costly: a 16-GPU Llama-2-70B cluster has tens of such deployments of up to four
 replicas, each a full simulation of the workload.
@@ -24,9 +25,9 @@ import numpy as np
 from oserve.capacity import CapacityTable
 from oserve.errors import ConfigError, InfeasibleError
 from oserve.scheduler.packing import place
-from oserve.sim.cluster import Decision, SimConfig, SimResult, SpanView, simulate
-from oserve.sim.engine import SimReplica, SimRequest
+from oserve.sim.cluster import SimConfig, SimResult, simulate
 from oserve.sim.policies import assign_even, least_loaded_among, weights_for
+from oserve.sim.twin import FixedPolicy
 from oserve.sim.workloads import Workload
 from oserve.specs import ClusterSpec, Deployment, GPUSpec, ModelSpec, ReplicaShape
 
@@ -46,23 +47,12 @@ def deployment_multisets(shapes: Sequence[ReplicaShape], num_gpus: int,
     return out
 
 
-class FixedDeploymentPolicy:
+def fixed_deployment_policy(deployment: Deployment, table: CapacityTable, rates: np.ndarray) -> FixedPolicy:
     """One deployment for the whole run, routed as OServe routes: each type to the replicas the exact
-    even assignment of `rates` gives it, and among them to the least loaded."""
-
-    def __init__(self, deployment: Deployment, table: CapacityTable, rates: np.ndarray,
-                 name: str = "fixed") -> None:
-        n = table.matrix(deployment.shapes())
-        weights = weights_for(assign_even(np.asarray(rates, dtype=float), n), n)
-        self.name = name
-        self.decision = Decision(deployment, weights, 0.0, tuple(float(r) for r in rates), "fixed")
-
-    def decide(self, view: SpanView) -> Decision | None:
-        return self.decision if view.current is None else None
-
-    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
-        w = self.decision.weights
-        return least_loaded_among(replicas, w[req.type_index] if req.type_index < len(w) else None)
+    even assignment of `rates` gives it, and among them to the least loaded. Pure."""
+    n = table.matrix(deployment.shapes())
+    return FixedPolicy(deployment, weights_for(assign_even(np.asarray(rates, dtype=float), n), n),
+                       least_loaded_among, name="fixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +77,7 @@ def fixed_deployment_outcomes(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSp
                               table: CapacityTable, max_replicas: int = 4, sim: SimConfig = SimConfig(),
                               progress: Callable[[int, int], None] | None = None) -> list[FixedOutcome]:
     """Every deployment of `deployment_multisets` that packs on `cluster`, simulated on the whole
-    `workload` with `FixedDeploymentPolicy` at the workload's mean rates; best first (`FixedOutcome.key`).
+    `workload` with `fixed_deployment_policy` at the workload's mean rates; best first (`FixedOutcome.key`).
 
     Raises:
         InfeasibleError: no deployment of at most `max_replicas` replicas uses the cluster exactly.
@@ -109,7 +99,7 @@ def fixed_deployment_outcomes(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSp
     for i, (combo, dep) in enumerate(placed):
         res: SimResult = simulate(model, gpu, cluster, workload.arrival_s, workload.input_tokens,
                                   workload.output_tokens, workload.type_index, k,
-                                  FixedDeploymentPolicy(dep, table, rates), sim)
+                                  fixed_deployment_policy(dep, table, rates), sim)
         p99 = res.percentile("e2e", 99) if (~res.dropped).any() else math.inf
         out.append(FixedOutcome(combo, p99 if math.isfinite(p99) else math.inf, int(res.dropped.sum())))
         if progress is not None:

@@ -64,13 +64,14 @@ class TwinConfig:
                               f"{self.max_num_requests}, {self.initial_max_num_requests}")
 
 
-class _Fixed:
-    """A policy that serves one deployment with fixed weights and OServe's routing."""
+class FixedPolicy:
+    """A policy that serves one deployment for the whole run: fixed weights give each type its
+    replicas, and `route` picks among them (the twin and `oserve.sim.ceiling` pass OServe's)."""
 
-    name = "twin"
-
-    def __init__(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], route: Route) -> None:
-        self.decision = Decision(deployment, weights, 0.0, (), "twin")
+    def __init__(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], route: Route,
+                 name: str = "twin") -> None:
+        self.name = name
+        self.decision = Decision(deployment, weights, 0.0, (), name)
         self._route = route
 
     def decide(self, view: SpanView) -> Decision | None:
@@ -158,7 +159,7 @@ class DigitalTwin:
         if len(arrival) < 10 or not deployment.replicas:
             return 0.0 if deployment.replicas else float("inf")
         res = simulate(self.model, self.gpu, self.cluster, arrival, inp, out, kind, len(self._lengths),
-                       _Fixed(deployment, weights, route), self.config.sim, self.perf)
+                       FixedPolicy(deployment, weights, route), self.config.sim, self.perf)
         scored = res.arrival_s >= warm
         e2e = np.sort(np.where(res.dropped, np.inf, res.e2e_s)[scored])
         if not len(e2e):
