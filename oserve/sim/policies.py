@@ -339,20 +339,19 @@ class OServePolicy(_Base):
     `rescore_change` and twice what Poisson noise alone moves it. With `twin=None` the capacity model
     alone decides (the MILP with `search_config`, switched by `_should_switch`).
 
-    The first deployment, which costs nothing to choose, is searched further: from the best candidate,
-    up to `neighbour_steps` moves of steepest descent on the twin's score over deployments one move
-    away (a replica replaced by another shape of as many GPUs, split in two, or two merged; see
-    `oserve.sim.twin.neighbours`), each move taken only if it beats the current score by more than
-    `neighbour_min_gain`, the bar a switch must clear too: the best of some thirty neighbours on one
-    synthetic span looks better than it is (on S3 the twin gave its pick 9% on two seeds and -1% on a
-    third, and it served 4% worse; on the Azure code trace's quiet first minute every deployment
-    scores within 2% and the pick served 32% worse), while the moves that pay score 24-27% better
-    on every seed (S4, S5). A neighbour is allowed only
-    if its peak utilisation for the forecast is within `neighbour_capacity_slack` of the lowest among
-    the candidates: the twin scores a span at the forecast's load, and a deployment that trades
-    capacity for speed there is overrun when the load rises (on the Azure conversation trace the
-    twin's favourite neighbour, two TP8 replicas, has a third less headroom and, fixed for the hour,
-    a P99 of 86 s against 38 s).
+    Each scoring then searches further from the best candidate: up to `neighbour_steps` moves of
+    steepest descent on the twin's score over deployments one move away (a replica replaced by
+    another shape of as many GPUs, split in two, or two merged; `oserve.sim.twin.neighbours`). A move
+    is taken only if it beats the current score by more than `neighbour_min_gain`, the bar a switch
+    must clear too: the best of some thirty neighbours on one synthetic span looks better than it is
+    (on S3 the twin gave its pick 9% on two seeds and -1% on a third, and it served 4% worse; on the
+    Azure code trace's quiet first minute every deployment scores within 2% and the pick served 32%
+    worse), while the moves that pay score 24-27% better on every seed (S4, S5). A neighbour is
+    allowed only if its peak utilisation for the forecast is within `neighbour_capacity_slack` of the
+    lowest among the candidates: the twin scores a span at the forecast's load, and a deployment that
+    trades capacity for speed there is overrun when the load rises (on the Azure conversation trace
+    the twin's favourite neighbour, two TP8 replicas, has a third less headroom and, fixed for the
+    hour, a P99 of 86 s against 38 s).
     """
 
     def __init__(self, ctx: PlanningContext, forecaster: Forecaster | None = None, search_name: str = "milp",
@@ -452,10 +451,10 @@ class OServePolicy(_Base):
             scored.append((self.twin.score(dep, weights, rates, least_loaded_among, pattern, view.span_s,
                                            long=current is None), i, dep, weights))
         best_score, _, best, best_weights = min(scored, key=lambda x: (x[0], x[1]))
+        if self.neighbour_steps > 0:
+            best, best_weights, best_score = self._search_neighbours(rates, pattern, view.span_s, scored, best,
+                                                                     best_score, best_weights, current is None)
         if current is None:
-            if self.neighbour_steps > 0:
-                best, best_weights = self._search_neighbours(rates, pattern, view.span_s, scored, best, best_score,
-                                                             best_weights)
             return Decision(best, best_weights, 0.0, tuple(rates), "initial")
         cur_score = scored[0][0]  # the first candidate is what runs
         a_cur, n_cur = _served(ctx, old, rates)
@@ -476,10 +475,11 @@ class OServePolicy(_Base):
                         drain_retired=self.oracle)
 
     def _search_neighbours(self, rates: np.ndarray, pattern, span_s: float, scored: list, best: Deployment,
-                           best_score: float, best_weights: tuple[tuple[float, ...], ...]
-                           ) -> tuple[Deployment, tuple[tuple[float, ...], ...]]:
+                           best_score: float, best_weights: tuple[tuple[float, ...], ...], long: bool
+                           ) -> tuple[Deployment, tuple[tuple[float, ...], ...], float]:
         """Steepest descent on the twin's score from `best` over deployments with about the candidates'
-        headroom (see the class docstring); returns the deployment reached and its weights."""
+        headroom (see the class docstring); returns the deployment reached, its weights and its score.
+        `long`: score on the twin's long first span (the first deployment) or on the replayed span."""
         ctx = self.ctx
         cap = min(_served(ctx, dep, rates)[0].peak_utilisation for _, _, dep, _ in scored)
         cap *= 1 + self.neighbour_capacity_slack
@@ -498,12 +498,12 @@ class OServePolicy(_Base):
             placed[shapes] = (dep, weights_for(a, n))
             if shapes in known:
                 return known[shapes]
-            return self.twin.score(dep, placed[shapes][1], rates, least_loaded_among, pattern, span_s, long=True)
+            return self.twin.score(dep, placed[shapes][1], rates, least_loaded_among, pattern, span_s, long=long)
 
         start = tuple(sorted(best.shapes()))
-        reached, _ = local_search(start, best_score, ctx.table.shapes(ctx.cluster.num_gpus), score,
-                                  self.neighbour_steps, self.neighbour_min_gain)
-        return (best, best_weights) if reached == start else placed[reached]
+        reached, reached_score = local_search(start, best_score, ctx.table.shapes(ctx.cluster.num_gpus), score,
+                                              self.neighbour_steps, self.neighbour_min_gain)
+        return (best, best_weights, best_score) if reached == start else (*placed[reached], reached_score)
 
     def _decide_by_model(self, view: SpanView, rates: np.ndarray) -> Decision:
         ctx = self.ctx
