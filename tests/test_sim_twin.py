@@ -226,3 +226,26 @@ def test_first_deployment_search_beats_the_candidates_without_giving_up_headroom
     s_searched, u_searched = score_and_util(searched.deployment)
     assert sorted(searched.deployment.shapes()) != sorted(plain.deployment.shapes())
     assert s_searched < 0.9 * s_plain and u_searched <= 1.05 * u_plain
+
+
+def test_every_scoring_searches_neighbours_and_a_steady_mix_is_not_rescored(monkeypatch):
+    """The neighbour search runs at the first decision and again whenever the candidates are rescored."""
+    import oserve.sim.policies as policies
+    from oserve.sim.evaluate import build_scenario
+
+    calls = []
+    real = policies.local_search
+    monkeypatch.setattr(policies, "local_search", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    cluster = cluster_for_gpus(8)
+    scenario = build_scenario("S1", LLAMA, H100, cluster, minutes=1)
+    w = scenario.workload
+    ctx = PlanningContext(LLAMA, cluster, scenario.table, initial_rps=w.first_span_rps(60.0, 4))
+    policy = OServePolicy(ctx, twin=TwinConfig(initial_horizon_s=120.0))
+    first = policy.decide(SpanView(0, 0.0, 60.0, np.zeros((0, 4)), None, None))
+    assert len(calls) == 1
+    counts = np.asarray(ctx.initial_rps) * 60.0
+    steady = SpanView(1, 60.0, 60.0, counts[None, :], None, first)
+    assert policy.decide(steady).label == "reroute" and len(calls) == 1  # same mix: no rescoring
+    shifted = counts[::-1].copy()  # the mix turned around: rescored, and searched again
+    policy.decide(SpanView(2, 120.0, 60.0, np.stack([counts, shifted]), None, first))
+    assert len(calls) == 2
