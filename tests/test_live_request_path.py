@@ -210,17 +210,22 @@ def test_a_dead_replicas_requests_are_redispatched(server) -> None:
     asyncio.run(asyncio.wait_for(main(), 40))
 
 
+async def _system_whose_only_replica_died(stack: AsyncExitStack, url: str):
+    nc, subjects, gw, engines, client = await start_system(
+        stack, url, replica_ids=("r0",), speedup=50.0,
+        gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+    await engines[0].stop()
+    await wait_until(lambda: not gw.live_replicas, 5, "the gateway to see the replica die")
+    return nc, subjects, gw, client
+
+
 def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> None:
     """A moment with no live replica (all silent or restarting) delays new requests; it does not refuse them."""
     num = 5
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
-            nc, subjects, gw, engines, client = await start_system(
-                stack, server.url, replica_ids=("r0",), speedup=50.0,
-                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
-            await engines[0].stop()
-            await wait_until(lambda: not gw.live_replicas, 5, "the gateway to see the replica die")
+            nc, subjects, gw, client = await _system_whose_only_replica_died(stack, server.url)
             tasks = [asyncio.create_task(client.submit(input_tokens=50, max_tokens=20, request_id=f"w{i}",
                                                        timeout_s=20)) for i in range(num)]
             await wait_until(lambda: len(gw.pending) == num, 5, "the requests to be held")
@@ -238,11 +243,7 @@ def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> Non
 def test_a_retry_of_a_held_request_is_answered_on_the_retrys_inbox(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
-            nc, subjects, gw, engines, client = await start_system(
-                stack, server.url, replica_ids=("r0",), speedup=50.0,
-                gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
-            await engines[0].stop()
-            await wait_until(lambda: not gw.live_replicas, 5, "the gateway to see the replica die")
+            nc, subjects, gw, client = await _system_whose_only_replica_died(stack, server.url)
             with pytest.raises(RequestTimeout):  # the client gives up first, and retries
                 await client.submit(input_tokens=50, max_tokens=20, request_id="held", timeout_s=0.3)
             retry = asyncio.create_task(client.submit(input_tokens=50, max_tokens=20, request_id="held",
