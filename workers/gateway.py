@@ -372,29 +372,24 @@ class Gateway(Worker):
             if p.replica_id is None and self.pending.get(rid) is p:
                 await self._redispatch(rid, p)
 
-    async def _answer_unrouted(self) -> None:
-        """Answer every request still waiting for a live replica with an error (the gateway is going away)."""
+    async def _answer_unrouted(self, expired_at: float | None = None) -> None:
+        """Answer `no_replica` to the requests waiting for a live replica: all of them (the gateway is going
+        away), or with `expired_at`, the new ones whose `no_replica_wait_wall_s` ran out by then."""
         for rid, p in list(self.pending.items()):
-            if p.replica_id is None and self.pending.get(rid) is p:  # publishing may yield meanwhile
-                del self.pending[rid]
-                self.num_failed += 1
-                if p.reply:
-                    await self.nc.publish(p.reply, encode(ErrorReply(
-                        request_id=rid, code=ErrorCode.NO_REPLICA,
-                        message="no live replica took the request before the gateway shut down")))
-
-    async def _answer_expired_waits(self, now: float) -> None:
-        """Answer `no_replica` to new requests that waited their whole `no_replica_wait_wall_s` for a replica."""
-        for rid, p in list(self.pending.items()):
-            if (p.replica_id is None and p.wait_until_wall_s is not None and now >= p.wait_until_wall_s
-                    and self.pending.get(rid) is p):  # publishing may yield meanwhile
-                del self.pending[rid]
-                self.num_failed += 1
-                if p.reply:
-                    await self.nc.publish(p.reply, encode(ErrorReply(
-                        request_id=rid, code=ErrorCode.NO_REPLICA,
-                        message=f"no live replica to serve the request within "
-                                f"{self.config.no_replica_wait_wall_s:g} s; retry later")))
+            if p.replica_id is not None or self.pending.get(rid) is not p:  # publishing may yield meanwhile
+                continue
+            if expired_at is None:
+                message = "no live replica took the request before the gateway shut down"
+            elif p.wait_until_wall_s is not None and expired_at >= p.wait_until_wall_s:
+                message = (f"no live replica to serve the request within {self.config.no_replica_wait_wall_s:g} s; "
+                           "retry later")
+            else:
+                continue
+            del self.pending[rid]
+            self.num_failed += 1
+            if p.reply:
+                await self.nc.publish(p.reply, encode(ErrorReply(request_id=rid, code=ErrorCode.NO_REPLICA,
+                                                                 message=message)))
 
     async def _liveness_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -423,7 +418,7 @@ class Gateway(Worker):
             elif not self._maybe_unrouted:
                 continue  # nothing died and nothing waits: no scan of `pending`
             if self._maybe_unrouted and not self._eligible:
-                await self._answer_expired_waits(now)
+                await self._answer_unrouted(expired_at=now)
             gone = set(dead)
             for req_id, p in list(self.pending.items()):
                 if self.pending.get(req_id) is not p:

@@ -446,11 +446,11 @@ class OServePolicy(_Base):
         pattern = view.true_next_arrivals if self.oracle else view.last_arrivals
         scored = []
         for i, dep in enumerate(self._candidates(rates, old)):
-            n = ctx.table.matrix(dep.shapes())
-            weights = weights_for(assign_even(rates, n), n)
+            a, n = _served(ctx, dep, rates)
+            weights = weights_for(a, n)
             scored.append((self.twin.score(dep, weights, rates, least_loaded_among, pattern, view.span_s,
-                                           long=current is None), i, dep, weights))
-        best_score, _, best, best_weights = min(scored, key=lambda x: (x[0], x[1]))
+                                           long=current is None), i, dep, weights, a.peak_utilisation))
+        best_score, _, best, best_weights, _ = min(scored, key=lambda x: (x[0], x[1]))
         if self.neighbour_steps > 0:
             best, best_weights, best_score = self._search_neighbours(rates, pattern, view.span_s, scored, best,
                                                                      best_score, best_weights, current is None)
@@ -481,10 +481,10 @@ class OServePolicy(_Base):
         headroom (see the class docstring); returns the deployment reached, its weights and its score.
         `long`: score on the twin's long first span (the first deployment) or on the replayed span."""
         ctx = self.ctx
-        cap = min(_served(ctx, dep, rates)[0].peak_utilisation for _, _, dep, _ in scored)
+        cap = min(util for *_, util in scored)
         cap *= 1 + self.neighbour_capacity_slack
         demand = float(rates.sum())
-        known = {tuple(sorted(dep.shapes())): sc for sc, _, dep, _ in scored}
+        known = {tuple(sorted(dep.shapes())): sc for sc, _, dep, _, _ in scored}
         placed: dict[Multiset, tuple[Deployment, tuple[tuple[float, ...], ...]]] = {}
 
         def score(shapes: Multiset) -> float | None:
