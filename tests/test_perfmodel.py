@@ -25,10 +25,32 @@ def compact():
     return cal.read_compact(DATA_DIR)
 
 
+def _close(a, b, rel: float, path: str = "") -> list[str]:
+    """Where two JSON-like trees differ: numbers beyond `rel` relative difference, anything else unequal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(a)} != {sorted(b)}"]
+        return [m for k in a for m in _close(a[k], b[k], rel, f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items != {len(b)}"]
+        return [m for i, (x, y) in enumerate(zip(a, b)) for m in _close(x, y, rel, f"{path}[{i}]")]
+    if isinstance(a, float) or isinstance(b, float):
+        return [] if math.isclose(a, b, rel_tol=rel, abs_tol=1e-15) else [f"{path}: {a} != {b}"]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
 def test_shipped_coefficients_are_the_fit_of_the_shipped_points(compact):
-    refit = cal.fit_all(*compact, H100.peak_flops, H100.hbm_bytes_per_s)
-    shipped = shipped_coefficients()
-    assert json.loads(json.dumps(refit, sort_keys=True)) == shipped
+    """The shipped file is what `oserve calibrate` fits. Within 1e-5 relative: the solver's last digits
+    move between SciPy/NumPy patch releases (1e-7 seen), a wrong or stale fit moves them by far more
+    (the bounded and unbounded fits differ by 30% in eff_bw)."""
+    refit = json.loads(json.dumps(cal.fit_all(*compact, H100.peak_flops, H100.hbm_bytes_per_s)))
+    assert _close(refit, shipped_coefficients(), rel=1e-5) == []
+
+
+def test_fitted_efficiencies_are_physical():
+    g = shipped_coefficients()["gemm"]
+    assert 0 < g["eff_flops"] <= 1 + 1e-9 and 0 < g["eff_bw"] <= 1 + 1e-9
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "profiling").exists(), reason="../shared/data/profiling not present")
