@@ -20,14 +20,16 @@ def _plt():
 
 
 def latency_cdf(results: dict, path: Path, title: str = "") -> Path:
-    """CDF of end-to-end latency and TTFT per policy (`results`: name -> SimResult)."""
+    """CDF of end-to-end latency and TTFT per policy (`results`: name -> SimResult), over the admitted
+    requests (a curve that stops below 1 did not finish them all)."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
-        for ax, values in ((axes[0], r.e2e_s[~r.dropped]), (axes[1], r.ttft_s[~r.dropped])):
+        admitted = int(r.admitted.sum())
+        for ax, values in ((axes[0], r.e2e_s[r.finished]), (axes[1], r.ttft_s[r.finished])):
             v = np.sort(values)
             if len(v):
-                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
+                ax.plot(v, np.arange(1, len(v) + 1) / max(admitted, 1), label=name)
     for ax, what in ((axes[0], "end-to-end latency (s)"), (axes[1], "time to first token (s)")):
         ax.set_xscale("log")
         ax.set_xlabel(what)
@@ -69,13 +71,14 @@ def deployment_timeline(spans: list[dict], num_gpus: int, path: Path, title: str
     return Path(path)
 
 
-def rates_and_forecast(spans: list[dict], type_names: tuple[str, ...], span_s: float, path: Path,
+def rates_and_forecast(spans: list[dict], counts: np.ndarray, type_names: tuple[str, ...], span_s: float, path: Path,
                        title: str = "") -> Path:
-    """Per-type arrival rate of each span, with the rate the policy planned for (its forecast)."""
+    """Per-class arrival rate of each span (`counts`: spans x classes, as the gateway classed them), with
+    the rate the policy planned for (its forecast)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(11, 4))
     t = np.array([s["start_s"] / 60 for s in spans])
-    counts = np.array([s["counts"] for s in spans], dtype=float) / span_s
+    counts = np.asarray(counts, dtype=float)[:len(spans)] / span_s
     forecast = np.array([s["forecast_rps"] if s["forecast_rps"] else [np.nan] * len(type_names) for s in spans])
     for j, name in enumerate(type_names):
         line, = ax.step(t, counts[:, j], where="post", label=f"{name} actual")
@@ -97,8 +100,7 @@ def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
     `rows`: `oserve bench e2e` scenario rows (name, cv, speedup_p99: baseline -> ratio).
     """
     plt = _plt()
-    baselines = [b for b in ("vllm-static", "vllm-reload", "llumnix", "oracle")
-                 if any(b in r["speedup_p99"] for r in rows)]
+    baselines = list(dict.fromkeys(b for r in rows for b in r["speedup_p99"]))
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2.2, 1]})
     x = np.arange(len(rows))
     width = 0.8 / max(len(baselines), 1)

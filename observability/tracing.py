@@ -24,6 +24,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from oserve.errors import ConfigError
+
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 _propagator = TraceContextTextMapPropagator()
@@ -43,7 +45,7 @@ class TracingConfig:
 
     def __post_init__(self) -> None:
         if self.exporter not in ("none", "console", "otlp", "memory"):
-            raise ValueError(f"TracingConfig.exporter must be none, console, otlp or memory, got {self.exporter!r}")
+            raise ConfigError(f"TracingConfig.exporter must be none, console, otlp or memory, got {self.exporter!r}")
 
 
 @dataclass(frozen=True, slots=True)

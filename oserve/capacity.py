@@ -31,10 +31,10 @@ from typing import Protocol
 
 import numpy as np
 
+from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError
 from oserve.perfmodel import Batch, PerfModel, ShapeTimer
-from oserve.specs import (EngineConfig, GPUSpec, MemoryConfig, ModelSpec, ReplicaShape, kv_capacity_tokens,
-                          valid_shapes)
+from oserve.specs import EngineConfig, GPUSpec, MemoryConfig, ModelSpec, ReplicaShape, kv_capacity_tokens, valid_shapes
 
 
 class LengthMix(Protocol):
@@ -65,6 +65,31 @@ class FixedLengths:
     def type_lengths(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n = len(self.inputs[j])
         return np.array(self.inputs[j]), np.array(self.outputs[j]), np.full(n, 1.0 / n)
+
+    @classmethod
+    def from_observed(cls, names: tuple[str, ...], classes: np.ndarray, input_tokens: np.ndarray,
+                      output_tokens: np.ndarray, fallback: LengthMix, num_samples: int = 32) -> FixedLengths:
+        """What each class really contains: for class j, `num_samples` observed (input, output) pairs of
+        the requests given class j, at evenly spaced quantiles of their output length (a stratified
+        sample of real pairs, so a class that mixes short and long answers keeps both, each with its own
+        prompt). A class with no request takes `fallback`'s lengths. Pure."""
+        classes = np.asarray(classes)
+        inp, out = np.asarray(input_tokens, dtype=np.int64), np.asarray(output_tokens, dtype=np.int64)
+        if not (len(classes) == len(inp) == len(out)) or num_samples < 1:
+            raise ConfigError("FixedLengths.from_observed: classes, inputs and outputs must match, num_samples >= 1")
+        ins, outs = [], []
+        for j in range(len(names)):
+            sel = np.nonzero(classes == j)[0]
+            if not len(sel):
+                a, b, _ = fallback.type_lengths(j)
+                ins.append(tuple(int(v) for v in a))
+                outs.append(tuple(int(v) for v in b))
+                continue
+            order = sel[np.lexsort((inp[sel], out[sel]))]
+            pick = order[((np.arange(num_samples) + 0.5) * len(order) / num_samples).astype(np.int64)]
+            ins.append(tuple(int(max(v, 1)) for v in inp[pick]))
+            outs.append(tuple(int(max(v, 1)) for v in out[pick]))
+        return cls(tuple(names), tuple(ins), tuple(outs))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +133,7 @@ class CapacityTable:
     types: LengthMix
     target: LatencyTarget = field(default_factory=LatencyTarget)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    gpus_per_node: int = 8
+    gpus_per_node: int = GPUS_PER_NODE
     engine: EngineConfig = field(default_factory=EngineConfig)
     perf: PerfModel | None = None
     max_replica_gpus: int = 16

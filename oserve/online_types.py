@@ -28,7 +28,7 @@ import numpy as np
 from river import cluster, tree
 
 from oserve.errors import ConfigError
-from oserve.workload import WorkloadTypes
+from oserve.workload_types import WorkloadTypes
 
 
 

@@ -1,7 +1,7 @@
 """Time of one engine iteration for a replica shape on a GPU type. Pure.
 
 Linear layers, element-wise operators and collectives use coefficients fitted to measured H100
-profiles (see `oserve.calibration`; they ship in `oserve/data/perf_coefficients.json`). Attention has
+profiles (fitted by `oserve.calibration`; they ship in `oserve/data/perf_coefficients.json`). Attention has
 no measured data, so it is modelled from first principles under the assumptions in `AttentionModel`.
 
 An iteration runs one batch: prefill chunks (new prompt tokens, each after some cached tokens) and
@@ -24,15 +24,72 @@ from functools import lru_cache
 
 import numpy as np
 
-from oserve import calibration as cal
 from oserve.data import data_path
+from oserve.defaults import GPUS_PER_NODE
 from oserve.specs import GPUSpec, ModelSpec, ReplicaShape, kv_heads_per_gpu, stage_layers
+
+# --- the model's formulas (fitted by `oserve.calibration`) ---------------------------------------
+
+COEFFICIENTS_FILE = "perf_coefficients.json"
+"""The fitted coefficients, shipped in `oserve.data` and rebuilt by `oserve calibrate`."""
+GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
+ELEMENTWISE_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
+GEMM_TILE_ROWS = 128
+
+
+def gemm_dims(hidden: np.ndarray, heads: np.ndarray, kv_heads: np.ndarray, ffn: np.ndarray,
+              tp: np.ndarray, gated: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(K, N) of each per-GPU GEMM of one layer under TP. Pure; works on scalars or arrays."""
+    head_dim = hidden // heads
+    kv = np.maximum(1, kv_heads // tp) * head_dim
+    return {
+        "attn_pre_proj": (hidden, hidden // tp + 2 * kv),
+        "attn_post_proj": (hidden // tp, hidden),
+        "mlp_up_proj": (hidden, (2 if gated else 1) * ffn // tp),
+        "mlp_down_proj": (ffn // tp, hidden),
+    }
+
+
+def elementwise_widths(hidden, heads, kv_heads, ffn, tp, gated: bool = True) -> dict[str, object]:
+    """Elements per token each element-wise operator touches on one GPU. Pure."""
+    head_dim = hidden // heads
+    return {
+        "input_layernorm": hidden,
+        "post_attention_layernorm": hidden,
+        "add": hidden,
+        "attn_rope": heads // tp * head_dim + np.maximum(1, kv_heads // tp) * head_dim,
+        "mlp_act": ffn // tp * (2 if gated else 1),
+    }
+
+
+def gemm_seconds(theta: dict[str, float] | np.ndarray, m, k, n, peak_flops: float, hbm_bytes_per_s: float,
+                 bytes_per_elem: int = 2):
+    """Roofline time of an (m x k) @ (k x n) GEMM. Pure; vectorised over m, k, n."""
+    if isinstance(theta, dict):
+        t0, eff_f, eff_b, p = theta["t0_s"], theta["eff_flops"], theta["eff_bw"], theta["p"]
+    else:
+        t0, eff_f, eff_b, p = theta
+    m_tiles = np.ceil(np.asarray(m, dtype=float) / GEMM_TILE_ROWS) * GEMM_TILE_ROWS
+    compute = 2.0 * m_tiles * k * n / (eff_f * peak_flops)
+    memory = bytes_per_elem * (k * n + np.asarray(m, float) * k + np.asarray(m, float) * n) / (eff_b * hbm_bytes_per_s)
+    return t0 + (compute ** p + memory ** p) ** (1.0 / p)
+
+
+def collective_seconds(curve: dict[str, list[float]], size_bytes):
+    """Time of one collective from its fitted curve; linear in size beyond the measured range. Pure."""
+    xs = np.asarray(curve["size_bytes"])
+    ys = np.asarray(curve["seconds"])
+    s = np.maximum(np.asarray(size_bytes, dtype=float), 1.0)
+    inside = np.exp(np.interp(np.log(s), np.log(xs), np.log(ys)))
+    # Beyond the largest size: the last segment's bandwidth; below the smallest: its latency floor.
+    tail_bw = (xs[-1] - xs[-2]) / max(ys[-1] - ys[-2], 1e-12)
+    return np.where(s > xs[-1], ys[-1] + (s - xs[-1]) / tail_bw, inside)
 
 
 @lru_cache(maxsize=1)
 def shipped_coefficients() -> dict:
     """The fitted coefficients shipped with the package (read once)."""
-    with open(data_path(cal.COEFFICIENTS_FILE)) as f:
+    with open(data_path(COEFFICIENTS_FILE)) as f:
         return json.load(f)
 
 
@@ -102,7 +159,7 @@ class PerfModel:
 
     model: ModelSpec
     gpu: GPUSpec
-    gpus_per_node: int = 8
+    gpus_per_node: int = GPUS_PER_NODE
     """Decides whether pipeline stages talk over NVLink or the network."""
     iteration_overhead_s: float = 1.5e-3
     """Engine time per iteration outside the GPU kernels (scheduling, sampling, launch), an assumption."""
@@ -141,13 +198,13 @@ class ShapeTimer:
         self._peak, self._hbm = gpu.peak_flops, gpu.hbm_bytes_per_s
         # Element-wise costs were measured on the calibration GPU; they scale with HBM bandwidth.
         bw_scale = coeffs["gpu"]["hbm_bytes_per_s"] / gpu.hbm_bytes_per_s
-        dims = cal.gemm_dims(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, tp, m.gated_mlp)
-        self._gemm_kn = tuple(dims[op] for op in cal.GEMM_OPS)
-        widths = cal.elementwise_widths(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, tp,
+        dims = gemm_dims(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, tp, m.gated_mlp)
+        self._gemm_kn = tuple(dims[op] for op in GEMM_OPS)
+        widths = elementwise_widths(m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, tp,
                                         m.gated_mlp)
         ew = coeffs["elementwise"]
-        self._elem_a = sum(ew[op]["a_s"] for op in cal.ELEMENTWISE_OPS)
-        self._elem_b = sum(ew[op]["b_s_per_elem"] * float(widths[op]) for op in cal.ELEMENTWISE_OPS) * bw_scale
+        self._elem_a = sum(ew[op]["a_s"] for op in ELEMENTWISE_OPS)
+        self._elem_b = sum(ew[op]["b_s_per_elem"] * float(widths[op]) for op in ELEMENTWISE_OPS) * bw_scale
         # Embedding lookup and final norm: element-wise over hidden, like a residual add.
         self._embed_b = ew["add"]["b_s_per_elem"] * m.hidden_size * bw_scale
         self._lm_head_kn = (m.hidden_size, -(-m.vocab_size // tp))
@@ -177,7 +234,7 @@ class ShapeTimer:
             return hit
         t = self._elem_a + self._elem_b * num_tokens
         for k, n in self._gemm_kn:
-            t += float(cal.gemm_seconds(self._gemm, num_tokens, k, n, self._peak, self._hbm))
+            t += float(gemm_seconds(self._gemm, num_tokens, k, n, self._peak, self._hbm))
         if len(self._linear_cache) < 65536:
             self._linear_cache[num_tokens] = t
         return t
@@ -192,18 +249,18 @@ class ShapeTimer:
     def all_reduce_seconds(self, num_tokens: int) -> float:
         if self._all_reduce is None or num_tokens == 0:
             return 0.0
-        return float(cal.collective_seconds(self._all_reduce, num_tokens * self._act_bytes_per_token))
+        return float(collective_seconds(self._all_reduce, num_tokens * self._act_bytes_per_token))
 
     def send_recv_seconds(self, num_tokens: int) -> float:
         if self.shape.pp == 1 or num_tokens == 0:
             return 0.0
-        return float(cal.collective_seconds(self._send_recv, num_tokens * self._act_bytes_per_token))
+        return float(collective_seconds(self._send_recv, num_tokens * self._act_bytes_per_token))
 
     def lm_head_seconds(self, rows: int) -> float:
         if rows == 0:
             return 0.0
         k, n = self._lm_head_kn
-        return float(cal.gemm_seconds(self._gemm, rows, k, n, self._peak, self._hbm))
+        return float(gemm_seconds(self._gemm, rows, k, n, self._peak, self._hbm))
 
     # --- whole iterations ----------------------------------------------------------------------
 
@@ -265,20 +322,20 @@ class ShapeTimer:
         m = np.asarray(num_tokens, dtype=float)
         linear = self._elem_a + self._elem_b * m
         for k, n in self._gemm_kn:
-            linear = linear + cal.gemm_seconds(self._gemm, m, k, n, self._peak, self._hbm)
+            linear = linear + gemm_seconds(self._gemm, m, k, n, self._peak, self._hbm)
         attn = self._attn_kernel_s + np.asarray(prefill_pairs) * self._pair_s + np.asarray(kv_tokens) * self._kv_read_s
         per_layer = linear + attn
         if self._all_reduce is not None:
-            per_layer = per_layer + 2.0 * cal.collective_seconds(self._all_reduce, m * self._act_bytes_per_token)
+            per_layer = per_layer + 2.0 * collective_seconds(self._all_reduce, m * self._act_bytes_per_token)
         rows = np.asarray(logit_rows, dtype=float)
         k, n = self._lm_head_kn
-        lm_head = np.where(rows > 0, cal.gemm_seconds(self._gemm, np.maximum(rows, 1), k, n, self._peak, self._hbm), 0.0)
+        lm_head = np.where(rows > 0, gemm_seconds(self._gemm, np.maximum(rows, 1), k, n, self._peak, self._hbm), 0.0)
         stages = [n_layers * per_layer for n_layers in self.layers]
         stages[0] = stages[0] + self._embed_b * m
         stages[-1] = stages[-1] + lm_head + self._embed_b * m
         out = np.max(np.stack(stages), axis=0)
         if self.shape.pp > 1:
-            out = out + cal.collective_seconds(self._send_recv, m * self._act_bytes_per_token)
+            out = out + collective_seconds(self._send_recv, m * self._act_bytes_per_token)
         return np.where(m > 0, out + self.iteration_overhead_s / self.shape.pp, 0.0)
 
 
@@ -296,6 +353,6 @@ def _all_reduce_curve(collectives: dict, tp: int) -> dict[str, list[float]]:
     a, b = collectives[f"all_reduce_{lo}"], collectives[f"all_reduce_{hi}"]
     w = 0.0 if hi == lo else (math.log(tp) - math.log(lo)) / (math.log(hi) - math.log(lo))
     sizes = sorted(set(a["size_bytes"]) | set(b["size_bytes"]))
-    ta = np.log(cal.collective_seconds(a, sizes))
-    tb = np.log(cal.collective_seconds(b, sizes))
+    ta = np.log(collective_seconds(a, sizes))
+    tb = np.log(collective_seconds(b, sizes))
     return {"size_bytes": list(map(float, sizes)), "seconds": np.exp((1 - w) * ta + w * tb).tolist()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError, UnknownNameError
 
 GiB = 1 << 30
@@ -404,10 +405,21 @@ MODELS: dict[str, ModelSpec] = {
                   intermediate_size=11008, vocab_size=32000, gated_mlp=True, max_context_tokens=4096),
         ModelSpec("codellama-34b", num_layers=48, hidden_size=8192, num_heads=64, num_kv_heads=8,
                   intermediate_size=22016, vocab_size=32016, gated_mlp=True, max_context_tokens=16384),
+        # Models served today (their config.json): Llama 3.1 reaches 128k tokens by its llama3 RoPE scaling.
+        ModelSpec("llama3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                  intermediate_size=14336, vocab_size=128256, gated_mlp=True, max_context_tokens=131072),
+        ModelSpec("llama3.1-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                  intermediate_size=28672, vocab_size=128256, gated_mlp=True, max_context_tokens=131072),
+        # Qwen2.5-72B-Instruct as shipped: 32k positions (128k only with YaRN added to its config).
+        # Its Q/K/V projections carry biases (8 KiB of parameters per layer): left out, as they cost
+        # nothing measurable in time or memory.
+        ModelSpec("qwen2.5-72b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                  intermediate_size=29568, vocab_size=152064, gated_mlp=True, max_context_tokens=32768),
     )
 }
 MODEL_ALIASES = {"llama-2-70b": "llama2-70b", "llama-33b": "llama-30b", "llama2-7b-hf": "llama2-7b",
-                 "llama-2-7b": "llama2-7b", "code-llama-34b": "codellama-34b"}
+                 "llama-2-7b": "llama2-7b", "code-llama-34b": "codellama-34b", "llama-3.1-8b": "llama3.1-8b",
+                 "llama-3.1-70b": "llama3.1-70b", "qwen2.5-72b-instruct": "qwen2.5-72b"}
 
 GPUS: dict[str, GPUSpec] = {
     g.name: g
@@ -447,7 +459,7 @@ def cluster_preset(name: str) -> ClusterSpec:
     return _lookup("cluster", CLUSTERS, name)
 
 
-def cluster_for_gpus(num_gpus: int, gpu: GPUSpec | str = "h100-80gb", gpus_per_node: int = 8,
+def cluster_for_gpus(num_gpus: int, gpu: GPUSpec | str = "h100-80gb", gpus_per_node: int = GPUS_PER_NODE,
                      nvlink_bytes_per_s: float = 400e9, network_bytes_per_s: float = 200e9) -> ClusterSpec:
     """A cluster of `num_gpus` GPUs in full nodes (the paper's links by default); a partial node is refused."""
     gpu_spec = gpu_preset(gpu) if isinstance(gpu, str) else gpu

@@ -17,6 +17,7 @@ from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
+from oserve.errors import ConfigError
 from oserve.streams.schemas import MAX_MESSAGE_BYTES
 from oserve.streams.subjects import Subjects
 
@@ -34,7 +35,7 @@ class StreamLimits:
 
     def __post_init__(self) -> None:
         if self.max_age_s <= 0 or self.max_bytes <= 0 or self.duplicate_window_s <= 0:
-            raise ValueError(f"StreamLimits must be positive, got {self}")
+            raise ConfigError(f"StreamLimits must be positive, got {self}")
 
 
 def stream_configs(subjects: Subjects, limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:

@@ -54,6 +54,10 @@ class SubmitRequest(_Msg, frozen=True, kw_only=True, tag="submit.v1"):
     output_hint_tokens: PosTokens | None = None
     """The client's own estimate of the answer's length, used to classify before it is known."""
     tags: Annotated[dict[TagKey, TagValue], Meta(max_length=MAX_TAGS)] = {}
+    sim_output_tokens: PosTokens | None = None
+    """For the simulated engine only: how long the simulated model's answer is (a real engine decides
+    that itself, at its end-of-sequence token). The gateway forwards it to the engine and never reads it
+    to classify or route; a trace replay sets it to the trace's output length."""
 
     def prompt_tokens(self) -> int:
         """Input length in tokens: the count given, else the text's approximate count. Pure."""
@@ -79,12 +83,15 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     request_id: Id
     input_tokens: Tokens
     max_tokens: PosTokens
-    """Tokens to generate at most; the `sim` backend generates exactly this many."""
+    """Tokens to generate at most."""
     type_index: int
-    """Workload type the router classified it as (input length + output estimate)."""
+    """Workload class the gateway gave it at arrival (from what it knew then, never the output length)."""
     gateway_id: str
     attempt: int = 0
     """0 on first dispatch; +1 each time it is re-dispatched after its replica went silent."""
+    sim_output_tokens: int | None = None
+    """The simulated model's answer length (`SubmitRequest.sim_output_tokens`); the `sim` backend generates
+    that many tokens, capped at max_tokens (max_tokens when None)."""
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
@@ -167,6 +174,10 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat.v1"):
     num_running: int
     accepting: bool = True
     """False once draining: route nothing new here."""
+    kv_load_frac: float = 0.0
+    """KV blocks used plus demanded by the queue, over the replica's blocks: the load the router balances."""
+    kv_capacity_tokens: int = 0
+    """Tokens the replica's KV cache holds (0: unknown)."""
 
 
 class Telemetry(_Msg, frozen=True, kw_only=True, tag="telemetry.v1"):
@@ -187,7 +198,10 @@ class Telemetry(_Msg, frozen=True, kw_only=True, tag="telemetry.v1"):
 
 
 class AssignmentSet(_Msg, frozen=True, kw_only=True, tag="assignment.v1"):
-    """The router's weights: `weights[j][replica_id]` is the share of type j's requests sent there."""
+    """Which replicas may serve each class: `weights[j][replica_id]` is the requests/s of class j the plan
+    gives that replica (a rate, not a share). The router sends a class-j request to the least loaded
+    replica with a positive weight (`oserve.routing.least_loaded`); a class with no positive weight
+    on a live replica goes to the least loaded replica of all."""
 
     strategy_id: str
     weights: list[dict[str, float]]
@@ -208,6 +222,8 @@ class ForecastMade(_Msg, frozen=True, kw_only=True, tag="forecast.v1"):
     """Forecast per-type rates for the next span (requests/s on the clock)."""
     misclassified_frac: float = 0.0
     """Of the span's completions, the fraction whose true type differs from the one routed on."""
+    forecaster: str = ""
+    """Which forecaster produced `forecast_rps` (its kind, or `last_span` while it warms up)."""
 
 
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -224,11 +240,13 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     span_index: int
     replicas: list[ReplicaSpec]
     weights: list[dict[str, float]]
-    """weights[j][replica_id]: share of type j's requests for that replica."""
+    """weights[j][replica_id]: requests/s of class j the plan gives that replica (see `AssignmentSet`)."""
     switch_s: float
     """Clock seconds until the replicas new in this deployment can serve (modelled weight transfer)."""
     forecast_rps: list[float]
     label: str = ""
+    scored_rps: list[float] = []
+    """The rates the deployment was last scored at (the planner rescores when the forecast leaves them)."""
 
 
 class StartReplica(_Msg, frozen=True, kw_only=True, tag="start_replica.v1"):
@@ -261,6 +279,12 @@ class SwitchPlanned(_Msg, frozen=True, kw_only=True, tag="switch_planned.v1"):
     start_ids: list[str]
     retire_ids: list[str]
     switch_s: float
+    num_transfers: int = 0
+    """GPU-to-GPU copies of the switch planner's transfer plan for the new replicas' weight shards."""
+    transfer_bytes: int = 0
+    """Bytes those copies move."""
+    modelled_transfer_s: float = 0.0
+    """The plan's modelled transfer time (seconds), before engine start."""
 
 
 class SwitchCompleted(_Msg, frozen=True, kw_only=True, tag="switch_completed.v1"):

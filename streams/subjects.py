@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from oserve.errors import ConfigError
+
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def _check_token(what: str, value: str) -> str:
     if not _TOKEN_RE.match(value):
-        raise ValueError(f"{what} must be letters, digits, '_' or '-' (one subject token), got {value!r}")
+        raise ConfigError(f"{what} must be letters, digits, '_' or '-' (one subject token), got {value!r}")
     return value
 
 

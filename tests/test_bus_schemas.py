@@ -1,4 +1,4 @@
-"""The bus contract without a server: subjects, strict edge decoding, golden files, routing helpers, Clock."""
+"""The bus contract without a server: subjects, strict edge decoding, golden files, engine backends, Clock."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from oserve.streams import schemas as sc
 from oserve.streams.subjects import Subjects
 from oserve.workers.backends import EchoBackend, Job, SimBackend
 from oserve.workers.clock import Clock
-from oserve.workers.router import Classifier, SmoothWRR
-from oserve.workload import fit_types
 
 GOLDEN = Path(__file__).parent / "data" / "bus"
 KINDS = {"submit": sc.SubmitRequest, "dispatch": sc.Dispatch, "reply": sc.Reply, "error": sc.ErrorReply,
@@ -94,43 +92,6 @@ def test_subjects_are_built_from_one_prefix_and_checked() -> None:
             s.replica(bad)
 
 
-@pytest.fixture(scope="module")
-def types():
-    rng = np.random.default_rng(0)
-    inp = np.exp(rng.uniform(1, 9, 2000)).astype(np.int64)
-    out = np.exp(rng.uniform(0.5, 7, 2000)).astype(np.int64)
-    return fit_types(inp, out, k=4, seed=0)
-
-
-@given(st.integers(0, 200_000), st.integers(0, 50_000))
-def test_classifier_agrees_with_workload_types(types, input_tokens: int, output_tokens: int) -> None:
-    assert Classifier(types).classify(input_tokens, output_tokens) == types.classify_one(input_tokens, output_tokens)
-
-
-def test_output_estimate_prefers_hint_then_max_tokens_then_mean(types) -> None:
-    c = Classifier(types)
-    assert c.estimate_output(7, 100) == 7
-    assert c.estimate_output(None, 100) == 100
-    mean = sum(s.share * s.mean_output_tokens for s in types.stats)
-    assert c.estimate_output(None, None) == max(1, round(mean))
-
-
-@given(st.lists(st.integers(1, 9), min_size=1, max_size=5))
-def test_smooth_wrr_follows_weights_exactly_over_a_cycle(weights: list[int]) -> None:
-    ids = [f"r{i}" for i in range(len(weights))]
-    w = dict(zip(ids, map(float, weights)))
-    wrr = SmoothWRR()
-    picks = [wrr.pick(0, w, ids) for _ in range(sum(weights))]
-    assert [picks.count(r) for r in ids] == weights
-
-
-def test_smooth_wrr_skips_ineligible_and_zero_weights() -> None:
-    wrr = SmoothWRR()
-    assert wrr.pick(0, {"a": 1.0, "b": 0.0}, ["a", "b"]) == "a"
-    assert wrr.pick(0, {"a": 1.0}, ["b"]) is None
-    assert {wrr.pick(1, {"a": 1.0, "b": 1.0}, ["a", "b"]) for _ in range(2)} == {"a", "b"}
-
-
 def test_clock_runs_at_its_speedup() -> None:
     t = [100.0]
     clock = Clock(speedup=60.0, start_s=5.0, monotonic=lambda: t[0])
@@ -144,7 +105,8 @@ def test_clock_runs_at_its_speedup() -> None:
 
 
 def test_core_does_not_import_the_bus() -> None:
-    code = ("import sys, oserve, oserve.specs, oserve.workload, oserve.sim.engine, oserve.sim.policies\n"
+    code = ("import sys, oserve, oserve.specs, oserve.traces, oserve.engine_model, oserve.planner.oserve, "
+            "oserve.evaluation.compare\n"
             "bad = [m for m in ('nats', 'asyncio', 'opentelemetry', 'msgspec') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -176,14 +138,16 @@ def test_engine_backend_contract(make) -> None:
     now = 0.0
     for seq in range(1, 41):
         now += float(rng.exponential(0.05))
-        job = Job(seq, f"q{seq}", int(rng.integers(1, 2000)), int(rng.integers(1, 300)), 0, now)
+        job = Job(seq, f"q{seq}", int(rng.integers(1, 2000)), int(rng.integers(1, 300)), 0, now,
+                  int(rng.integers(0, 400)))
         jobs[seq] = job
         finished += backend.add(job, now)
     while (t := backend.next_event_s()) is not None:
         finished += backend.advance(t)
     assert sorted(f.seq for f in finished) == sorted(jobs)
     for f in finished:
-        assert not f.error and f.output_tokens == jobs[f.seq].max_tokens
+        job = jobs[f.seq]  # the simulated answer's length, capped at max tokens (max tokens when not given)
+        assert not f.error and f.output_tokens == (min(job.output_tokens, job.max_tokens) or job.max_tokens)
         assert jobs[f.seq].arrival_s <= f.first_token_s <= f.finish_s
     load = backend.load()
     assert load.num_waiting == 0 and load.num_running == 0

@@ -121,7 +121,7 @@ def test_deploy_permissions_let_clients_submit_and_read_only_their_replies() -> 
 
 
 def test_the_request_path_works_under_the_deploy_permissions() -> None:
-    from oserve.client import OServeClient
+    from oserve.streams.client import OServeClient
     from oserve.streams.jetstream import ensure_streams
     from oserve.workers.clock import Clock
     from oserve.workers.engine import EngineWorker, EngineWorkerConfig

@@ -9,19 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from oserve.forecast import HoltWinters, LastValue, LSTMForecaster, MovingAverage, SeasonalNaive
 from oserve.forecast.checks import yield_checks
+from oserve.forecast.registry import FORECASTER_NAMES, forecaster_class
 
-# small settings so the whole suite stays fast on two cores
-FORECASTERS = {
-    "last_value": lambda k: LastValue(k),
-    "moving_average": lambda k: MovingAverage(k, window_spans=5),
-    "seasonal_naive": lambda k: SeasonalNaive(k, season_spans=12),
-    "holt_winters": lambda k: HoltWinters(k),
-    "holt_winters_seasonal": lambda k: HoltWinters(k, season_spans=12),
-    "lstm": lambda k: LSTMForecaster(k, seed=3, lookback_spans=8, hidden_size=8, epochs=4, batch_size=16),
-    "lstm_seasonal": lambda k: LSTMForecaster(k, lookback_spans=8, hidden_size=8, epochs=2, season_spans=12),
-}
+
+def _maker(cls, params):
+    return lambda k: cls(k, **params)
+
+
+# every registered forecaster, with each of its own small test settings
+FORECASTERS = {f"{kind}-{i}": _maker(forecaster_class(kind), params)
+               for kind in FORECASTER_NAMES for i, params in enumerate(forecaster_class(kind)._unit_test_params())}
 
 CASES = [(name, check) for name, make in FORECASTERS.items() for check in yield_checks(make)]
 
@@ -44,8 +42,7 @@ counts = arrays(np.float64, st.tuples(st.integers(1, 40), st.just(2)),
                                    st.floats(0, 1e6, allow_nan=False, allow_infinity=False)))
 
 
-@pytest.mark.parametrize("name", ["last_value", "moving_average", "seasonal_naive", "holt_winters",
-                                  "holt_winters_seasonal"])
+@pytest.mark.parametrize("name", [n for n in FORECASTERS if not n.startswith("lstm")])
 @settings(max_examples=25, deadline=None)
 @given(h=counts)
 def test_baseline_forecasts_never_negative(name, h):
@@ -59,6 +56,8 @@ def test_baseline_forecasts_never_negative(name, h):
 @given(h=arrays(np.float64, st.tuples(st.integers(10, 30), st.just(2)),
                 elements=st.one_of(st.just(0.0), st.floats(0, 1e5, allow_nan=False, allow_infinity=False))))
 def test_lstm_forecasts_never_negative(h):
+    from oserve.forecast import LSTMForecaster
+
     fc = LSTMForecaster(2, lookback_spans=4, hidden_size=4, epochs=2, min_train_spans=6).fit(h)
     f = fc.forecast()
     assert f.shape == (2,) and np.all(np.isfinite(f)) and np.all(f >= 0)

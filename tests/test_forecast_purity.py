@@ -9,7 +9,7 @@ import sys
 from conftest import REPO
 
 WITHOUT_TORCH = ["oserve.forecast", "oserve.forecast.base", "oserve.forecast.baselines", "oserve.forecast.metrics",
-                 "oserve.forecast.servegen", "oserve.online_types"]
+                 "oserve.forecast.servegen_series", "oserve.servegen", "oserve.online_types"]
 WITH_TORCH = ["oserve.forecast.lstm", "oserve.forecast.evaluate", "oserve.forecast.bundled"]
 
 

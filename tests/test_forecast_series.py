@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from conftest import SHARED_DATA
 from oserve.errors import ConfigError, TraceError
 from oserve.forecast import chronological_split, noise_floor_report, poisson_noise_floor, rrmse, rrmse_report
-from oserve.forecast.servegen import servegen_series
+from oserve.forecast.servegen_series import servegen_series
 from test_forecast_cli import _write_servegen
 
 TRACES = SHARED_DATA / "traces"

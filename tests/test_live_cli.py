@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import oserve.cli.live_cmds  # noqa: F401  (registers the live commands)
 from oserve.cli import app
-from oserve.client import ClientError, OServeClient
+from oserve.streams.client import ClientError, OServeClient
 from oserve.errors import ConfigError
 from oserve.streams.testing import running_server, unique_subjects
 

@@ -9,15 +9,16 @@ import nats
 import numpy as np
 import pytest
 
-from oserve.client import OServeClient
+from oserve.streams.client import OServeClient
 from oserve.streams.jetstream import ensure_streams
 from oserve.streams.schemas import Completed, ReplicaSpec, StrategyChosen, decode, encode
 from oserve.streams.subjects import Subjects
 from oserve.streams.testing import running_server, unique_subjects
 from oserve.workers.clock import Clock
-from oserve.workers.control import SchedulerConfig, SchedulerWorker, SwitchPlannerConfig, SwitchPlannerWorker
+from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
+from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
 from oserve.workers.system import LiveSystem, SystemConfig, planning_inputs, replay
-from oserve.workload import Request, Trace, load_trace
+from oserve.traces import Trace, load_trace
 
 SPAN_S = 10.0
 
@@ -29,26 +30,40 @@ def server():
 
 @pytest.fixture(scope="module")
 def inputs():
-    # types from the real trace; a 70B model on 8 GPUs so the mix decides the deployment
+    # fitted on the real trace's first ten minutes; a 70B model on 8 GPUs so the mix decides the deployment;
+    # the first span is planned for the chat the replay starts with
     config = SystemConfig(model="llama2-70b", gpus=8, span_s=SPAN_S, engine_start_s=0.5)
-    return planning_inputs(config, load_trace("azure-conv"), initial_rps=np.array([0.0, 30.0, 0.0, 0.0]))
+    history = load_trace("azure-conv").slice_time(0.0, 600.0)
+    probe = planning_inputs(config, history)
+    chat = np.bincount([probe.prior.estimator.predict_one(165)], minlength=4) * 30.0
+    assert probe.prior.estimator.predict_one(3900, max_tokens=20) != probe.prior.estimator.predict_one(165)
+    return planning_inputs(config, history, initial_rps=chat)
 
 
 def shifting_trace(seed: int = 0) -> Trace:
-    """Two spans of short chat (30 req/s), then four of long prompts with short answers (7.8 req/s).
+    """Two spans of short chat (30 req/s), then four of prompts near the 4096-token window whose clients
+    cap the answer at 20 tokens (5.3 req/s): the gateway classes them by input and max tokens.
 
-    7.8 req/s of long prompts is more than the chat-shaped deployment serves (about 6.4 req/s of that
-    type, by the capacity table) and less than the best deployment for them (about 8.3 req/s).
+    5.3 req/s of those is more than the chat-shaped deployment (one TP2xPP4 replica) serves of that
+    class by the capacity table (5.0), and less than two TP4 replicas serve (5.6).
     """
     rng = np.random.default_rng(seed)
-    reqs, t, i = [], 0.0, 0
+    arrival, inputs, outputs, caps = [], [], [], []
+    t = 0.0
     while t < 6 * SPAN_S:
         long_phase = t >= 2 * SPAN_S
-        t += rng.exponential(1 / (7.8 if long_phase else 30.0))
-        inp, out = (2846, 81) if long_phase else (165, 169)
-        reqs.append(Request(f"x{i}", t, int(inp * rng.uniform(0.8, 1.2)), int(out * rng.uniform(0.8, 1.2))))
-        i += 1
-    return Trace.from_requests(reqs[:-1], name="shift")
+        t += rng.exponential(1 / (5.3 if long_phase else 30.0))
+        arrival.append(t)
+        if long_phase:
+            inputs.append(int(rng.integers(3800, 4070)))
+            outputs.append(int(rng.integers(5, 21)))
+            caps.append(20)
+        else:
+            inputs.append(int(165 * rng.uniform(0.8, 1.2)))
+            outputs.append(int(169 * rng.uniform(0.8, 1.2)))
+            caps.append(0)
+    return Trace(np.array(arrival[:-1]), np.array(inputs[:-1]), np.array(outputs[:-1]), name="shift",
+                 max_tokens=np.array(caps[:-1]))
 
 
 def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> None:
@@ -135,10 +150,12 @@ def test_scheduler_resumes_from_the_kv_bucket(server, inputs) -> None:
     async def main() -> None:
         nc = await nats.connect(server.url)
         kv = await ensure_streams(nc.jetstream(), subjects)
-        first = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), inputs.ctx)
+        first = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), inputs.planner,
+                                inputs.initial_rps)
         async with first:
             assert [s.strategy_id for s in first.strategies] == ["s0"]
-        again = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), inputs.ctx)
+        again = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), inputs.planner,
+                                inputs.initial_rps)
         async with again:  # a restart: no new initial strategy, the stored one is current
             assert [s.strategy_id for s in again.strategies] == ["s0"]
             assert again.current.deployment == first.current.deployment
@@ -149,7 +166,7 @@ def test_scheduler_resumes_from_the_kv_bucket(server, inputs) -> None:
 
 def test_a_restarted_forecaster_rebuilds_its_spans_from_the_arrivals_stream(server) -> None:
     from oserve.streams.schemas import Arrival, Arrived, ForecastMade
-    from oserve.workers.control import ForecasterConfig, ForecasterStage
+    from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 
     subjects = unique_subjects()
     per_span = [[3, 0, 1, 0], [0, 5, 0, 0], [1, 1, 1, 1]]

@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 import nats
 import pytest
 
-from oserve.client import NoGateway, OServeClient, RequestRejected, RequestTimeout
+from oserve.streams.client import NoGateway, OServeClient, RequestRejected, RequestTimeout
 from oserve.streams.schemas import (AssignmentSet, Completed, Dispatch, ErrorCode, ErrorReply, Reply, SubmitRequest,
                                     decode, decode_reply, encode)
 from oserve.streams.testing import running_server, unique_subjects
@@ -355,7 +355,7 @@ def test_worker_lifecycle_is_idempotent_and_the_gateway_sheds_load(server) -> No
 async def _retiring_host(stack: AsyncExitStack, url: str, num: int):
     """An engine host with one replica holding `num` requests in flight, then told to drain it."""
     from oserve.streams.schemas import DrainReplica, ReplicaSpec, StartReplica
-    from oserve.workers.control import EngineHost, EngineHostConfig
+    from oserve.workers.engine_host import EngineHost, EngineHostConfig
 
     subjects = unique_subjects()
     nc = await nats.connect(url)
@@ -537,7 +537,7 @@ def test_a_worker_whose_background_loop_fails_stops_loudly(server, caplog) -> No
 
 def test_a_replica_drained_while_it_starts_never_serves(server) -> None:
     from oserve.streams.schemas import DrainReplica, ReplicaDrained, ReplicaReady, ReplicaSpec, StartReplica
-    from oserve.workers.control import EngineHost, EngineHostConfig
+    from oserve.workers.engine_host import EngineHost, EngineHostConfig
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
@@ -591,7 +591,7 @@ def test_a_request_id_reused_by_another_client_never_gets_the_first_ones_answer(
 
 def test_replay_runs_use_unique_request_ids(server) -> None:
     from oserve.workers.system import replay
-    from oserve.workload import Request, Trace
+    from oserve.traces import Request, Trace
 
     trace = Trace.from_requests([Request(f"x{i}", 0.01 * i, 20 + i, 2) for i in range(3)], name="tiny")
 

@@ -9,7 +9,7 @@ import nats
 import pytest
 from opentelemetry.trace import SpanKind
 
-from oserve.client import OServeClient, RequestRejected
+from oserve.streams.client import OServeClient, RequestRejected
 from oserve.observability.tracing import TracingConfig, extract, inject, setup_tracing, trace_headers
 from oserve.streams.testing import running_server, unique_subjects
 from oserve.workers.clock import Clock
@@ -91,14 +91,17 @@ def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -
     import numpy as np
 
     from oserve.streams.jetstream import ensure_streams
-    from oserve.workers.control import (EngineHost, EngineHostConfig, ForecasterConfig, ForecasterStage,
-                                       SchedulerConfig, SchedulerWorker, SwitchPlannerConfig, SwitchPlannerWorker)
+    from oserve.traces import load_trace
+    from oserve.workers.engine_host import EngineHost, EngineHostConfig
+    from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
+    from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
+    from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
     from oserve.workers.system import SystemConfig, planning_inputs
-    from oserve.workload import load_trace
 
     setup = setup_tracing(TracingConfig(exporter="memory"))
     tracer = setup.tracer
-    inputs = planning_inputs(SystemConfig(span_s=60.0), load_trace("azure-conv"), initial_rps=np.ones(4))
+    inputs = planning_inputs(SystemConfig(span_s=60.0), load_trace("azure-conv").slice_time(0.0, 600.0),
+                             initial_rps=np.ones(4))
 
     async def main() -> None:
         subjects = unique_subjects()
@@ -108,7 +111,8 @@ def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -
         host = EngineHost(nc, EngineHostConfig(subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer)
         switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=subjects), clock, tracer=tracer)
         forecaster = ForecasterStage(nc, ForecasterConfig(subjects=subjects, span_s=3600.0), clock, tracer=tracer)
-        scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects), clock, inputs.ctx, tracer=tracer)
+        scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects), clock, inputs.planner,
+                                    inputs.initial_rps, tracer=tracer)
         async with host, switcher, forecaster, scheduler:
             async def switched_to(strategy_id: str) -> None:
                 while switcher.strategy_id != strategy_id:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from oserve.errors import ConfigError
 from oserve.online_types import MisclassificationMeter, OnlineTypes, replay_misclassification
-from oserve.workload import fit_types, load_trace
+from oserve.workload_types import fit_types
+from oserve.traces import load_trace
 
 # true cluster centres in (log1p input, log1p output): SISO, SILO, LISO, LILO
 CENTRES = np.array([[5.0, 3.0], [5.0, 6.0], [8.0, 3.0], [8.0, 6.0]])

@@ -1,4 +1,4 @@
-"""The exhaustive search over fixed deployments (`oserve.sim.ceiling`)."""
+"""The exhaustive search over fixed deployments (`oserve.evaluation.ceiling`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from oserve.evaluation.ceiling import (FixedDeploymentPolicy, deployment_multisets, fixed_deployment_outcomes,
+                                      mean_class_rates)
+from oserve.evaluation.scenarios import build_scenario
+from oserve.planner.candidates import assign_even, weights_for
+from oserve.planner.prior import fit_prior
 from oserve.scheduler.packing import place
-from oserve.sim.ceiling import deployment_multisets, fixed_deployment_outcomes, fixed_deployment_policy
-from oserve.sim.cluster import simulate
-from oserve.sim.evaluate import build_scenario
+from oserve.sim.kernel import simulate
 from oserve.specs import ReplicaShape, cluster_for_gpus, model_preset
 
 SHAPES = [ReplicaShape(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 3, 4)]
@@ -41,20 +44,19 @@ def test_multisets_are_exactly_the_brute_force_ones(shapes, num_gpus, max_replic
 def test_every_fixed_deployment_is_simulated_and_ranked() -> None:
     model = model_preset("llama2-70b")
     cluster = cluster_for_gpus(8)
-    scenario = build_scenario("S1", model, cluster.gpu, cluster, minutes=1)
-    outcomes = fixed_deployment_outcomes(model, cluster.gpu, cluster, scenario.workload, scenario.table,
-                                         max_replicas=2)
+    scenario = build_scenario("S1", model, cluster, minutes=1, history_minutes=2)
+    prior = fit_prior(scenario.history, model, cluster, duration_s=scenario.history_s)
+    outcomes = fixed_deployment_outcomes(model, cluster, scenario.window, prior, max_replicas=2)
     keys = [o.key() for o in outcomes]
     assert keys == sorted(keys)
     expected = {tuple(sorted(map(str, c))) for c in
-                deployment_multisets(scenario.table.shapes(8), 8, 2)}
+                deployment_multisets(prior.table.shapes(8), 8, 2)}
     assert {tuple(sorted(map(str, o.shapes))) for o in outcomes} == expected  # every one packs on one node
     assert all(np.isfinite(o.p99_e2e_s) and o.p99_e2e_s > 0 for o in outcomes)
     # the best one, simulated again on its own, gives the same figure (deterministic)
     best = outcomes[0]
-    w = scenario.workload
-    k = len(scenario.table.type_names)
-    rates = np.bincount(w.type_index, minlength=k) / w.duration_s
-    res = simulate(model, cluster.gpu, cluster, w.arrival_s, w.input_tokens, w.output_tokens, w.type_index, k,
-                   fixed_deployment_policy(place(list(best.shapes), cluster), scenario.table, rates))
+    dep = place(list(best.shapes), cluster)
+    n = prior.table.matrix(dep.shapes())
+    weights = weights_for(assign_even(mean_class_rates(prior, scenario.window), n), n)
+    res = simulate(model, cluster.gpu, cluster, scenario.window, FixedDeploymentPolicy(prior, dep, weights))
     assert res.percentile("e2e", 99) == best.p99_e2e_s and int(res.dropped.sum()) == best.dropped

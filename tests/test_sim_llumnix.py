@@ -8,30 +8,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oserve.capacity import CapacityTable, FixedLengths
-from oserve.sim.cluster import Decision, SimConfig, SimResult, simulate
-from oserve.sim.engine import SimReplica
-from oserve.sim.llumnix import LlumnixPolicy, freeness_tokens
-from oserve.sim.policies import PlanningContext, homogeneous_deployment
-from oserve.specs import (GPUS, Deployment, EngineConfig, MemoryConfig, Replica, ReplicaShape, cluster_for_gpus,
-                          model_preset)
+from oserve.decision import Decision
+from oserve.engine_model import SimReplica
+from oserve.evaluation.llumnix import LlumnixPolicy, freeness_tokens, load_freeness_tokens
+from oserve.planner.candidates import homogeneous_deployment
+from oserve.sim.kernel import SimConfig, SimResult, _LoadView, simulate
+from oserve.specs import (GPUS, ClusterSpec, Deployment, EngineConfig, MemoryConfig, Replica, ReplicaShape,
+                          cluster_for_gpus, model_preset)
+from oserve.traces import Trace
 
 H100 = GPUS["h100-80gb"]
 LLAMA = model_preset("llama2-70b")
-TABLE = CapacityTable(LLAMA, H100, FixedLengths(("any",), ((500,),), ((200,),)))  # lazy: costs nothing unused
 SMALL_KV = MemoryConfig(gpu_memory_utilization=0.47)  # ~43k tokens per TP4 replica of Llama-2-70B
 
 
-def _ctx(num_gpus: int) -> PlanningContext:
-    return PlanningContext(LLAMA, cluster_for_gpus(num_gpus), TABLE, initial_rps=np.ones(1))
+def _llumnix(cluster: ClusterSpec, dep: Deployment, cls=LlumnixPolicy, **kw) -> LlumnixPolicy:
+    return cls(dep, 1, LLAMA, cluster, **kw)
 
 
-def _tp4(num_replicas: int) -> tuple[PlanningContext, Deployment, int]:
+def _tp4(num_replicas: int) -> tuple[ClusterSpec, Deployment, int]:
     """num_replicas TP4 replicas on as many 8-GPU nodes as they need (a third one on a second node)."""
     num_gpus = 8 * -(-num_replicas // 2)
     dep = Deployment(tuple(Replica(f"r{i}", ReplicaShape(4), tuple(range(4 * i, 4 * i + 4)))
                            for i in range(num_replicas)))
-    return _ctx(num_gpus), dep, num_gpus
+    return cluster_for_gpus(num_gpus), dep, num_gpus
 
 
 def _used_blocks(rep: SimReplica) -> int:
@@ -53,19 +53,26 @@ class Checked:
         self.pinned = pinned  # request ids routed to replica 0 whatever the load (a skewed router)
         self.name = inner.name
         self.migration_interval_s = inner.migration_interval_s
-        self.requests: dict[int, object] = {}
+        self.requests: list[int] = []
         self.replicas: list[SimReplica] = []
         self.seen: dict[int, SimReplica] = {}  # every replica ever shown, retired ones included
         self.num_checks = 0
         self.num_planned = 0
+        self._pin_next = False
 
     def decide(self, view):
         return self.inner.decide(view)
 
-    def route(self, req, replicas):
-        self.requests[req.request_id] = req
-        self.check(replicas)
-        return 0 if req.request_id in self.pinned else self.inner.route(req, replicas)
+    def classify(self, arrival):
+        self.requests.append(arrival.request_index)
+        self._pin_next = arrival.request_index in self.pinned
+        return self.inner.classify(arrival)
+
+    def route(self, class_index, loads):
+        # the test looks inside the replicas behind the load views (a policy is only shown their loads)
+        self.check([load._rep for load in loads if isinstance(load, _LoadView)])
+        pinned, self._pin_next = self._pin_next, False
+        return 0 if pinned else self.inner.route(class_index, loads)
 
     def plan_migrations(self, replicas, now_s):
         self.check(replicas)
@@ -90,9 +97,9 @@ class Checked:
 
 def _run(policy, num_gpus: int, arrival_s, input_tokens, output_tokens, engine=EngineConfig(),
          memory=MemoryConfig(), span_s: float = 60.0) -> SimResult:
-    n = len(arrival_s)
-    return simulate(LLAMA, H100, cluster_for_gpus(num_gpus), np.asarray(arrival_s, dtype=float),
-                    np.asarray(input_tokens), np.asarray(output_tokens), np.zeros(n, dtype=int), 1, policy,
+    # no max tokens: none is refused at the gateway, an answer stops at the context window at most
+    trace = Trace(np.asarray(arrival_s, dtype=float), np.asarray(input_tokens), np.asarray(output_tokens))
+    return simulate(LLAMA, H100, cluster_for_gpus(num_gpus), trace, policy,
                     SimConfig(span_s=span_s, engine=engine, memory=memory, horizon_after_last_arrival_s=600.0))
 
 
@@ -101,15 +108,11 @@ def _assert_conserved(policy: Checked, res: SimResult, n: int) -> None:
     replicas end empty with no migration in flight."""
     assert sorted(policy.requests) == list(range(n))
     assert int(res.dropped.sum()) == sum(res.drop_reasons.values())
-    by_id = policy.requests
-    for i in range(n):
-        r = by_id[i]
-        if np.isfinite(r.finish_s):
-            assert r.generated == r.output_tokens
-            assert r.arrival_s <= r.first_token_s <= r.finish_s
-        else:
-            assert res.drop_reasons.get("rejected", 0) > 0
-    assert res.num_migrations == sum(r.num_migrations for r in by_id.values())
+    fin = res.finished
+    assert np.array_equal(res.generated_tokens[fin], res.output_tokens[fin])
+    assert np.all(res.ttft_s[fin] <= res.e2e_s[fin]) and np.all(res.ttft_s[fin] >= 0)
+    if not fin.all():
+        assert res.drop_reasons.get("rejected_kv", 0) > 0
     for rep in policy.seen.values():
         assert rep.free_blocks == rep.total_blocks and rep.num_requests == 0
         assert rep.incoming_kv_blocks == 0 and not rep.migrating_out
@@ -125,12 +128,12 @@ def _piled_up_workload(n: int = 16, long_out: int = 2000, short_out: int = 20, i
 
 
 def test_migration_moves_long_requests_off_the_piled_up_replica_and_shortens_the_run():
-    ctx = _ctx(8)
-    dep = homogeneous_deployment(ctx, ReplicaShape(4))
+    cluster = cluster_for_gpus(8)
+    dep = homogeneous_deployment(cluster, ReplicaShape(4))
     arrival, inp, out = _piled_up_workload()
     engine = EngineConfig(max_num_seqs=4)  # replica 0's 8 long requests: 4 run, 4 wait a whole wave
-    still = _run(LlumnixPolicy(ctx, dep, migration_interval_s=None), 8, arrival, inp, out, engine)
-    moving = _run(LlumnixPolicy(ctx, dep), 8, arrival, inp, out, engine)
+    still = _run(_llumnix(cluster, dep, migration_interval_s=None), 8, arrival, inp, out, engine)
+    moving = _run(_llumnix(cluster, dep), 8, arrival, inp, out, engine)
     assert still.num_migrations == 0 and not still.dropped.any()
     assert moving.num_migrations >= 3 and not moving.dropped.any()
     # the idle replica takes over half the long requests: about one wave of decoding instead of two
@@ -141,10 +144,10 @@ def test_migration_moves_long_requests_off_the_piled_up_replica_and_shortens_the
 
 
 def test_kv_stays_consistent_and_nothing_is_lost_under_kv_pressure_with_migrations():
-    ctx = _ctx(8)
-    dep = homogeneous_deployment(ctx, ReplicaShape(4))
+    cluster = cluster_for_gpus(8)
+    dep = homogeneous_deployment(cluster, ReplicaShape(4))
     arrival, inp, out = _piled_up_workload(n=60, long_out=1500, short_out=30, inp=1000)
-    policy = Checked(LlumnixPolicy(ctx, dep, migration_interval_s=0.2))
+    policy = Checked(_llumnix(cluster, dep, migration_interval_s=0.2))
     res = _run(policy, 8, arrival, inp, out, memory=SMALL_KV)
     assert res.num_migrations > 0 and res.num_preemptions > 0  # both mechanisms exercised
     assert not res.dropped.any()
@@ -153,9 +156,9 @@ def test_kv_stays_consistent_and_nothing_is_lost_under_kv_pressure_with_migratio
 
 
 def test_runs_with_migration_are_deterministic():
-    ctx, dep, num_gpus = _tp4(3)
+    cluster, dep, num_gpus = _tp4(3)
     arrival, inp, out = _piled_up_workload(n=90, long_out=1500, short_out=30, inp=1000, period=3)
-    runs = [_run(LlumnixPolicy(ctx, dep, migration_interval_s=0.2), num_gpus, arrival, inp, out, memory=SMALL_KV)
+    runs = [_run(_llumnix(cluster, dep, migration_interval_s=0.2), num_gpus, arrival, inp, out, memory=SMALL_KV)
             for _ in range(2)]
     assert runs[0].num_migrations > 0
     assert runs[0].summary() == runs[1].summary() and runs[0].num_events == runs[1].num_events
@@ -170,9 +173,9 @@ class SlowCopy(LlumnixPolicy):
 
 
 def test_a_move_whose_request_finishes_during_the_precopy_is_called_off():
-    ctx, dep, num_gpus = _tp4(2)
+    cluster, dep, num_gpus = _tp4(2)
     n = 12
-    policy = Checked(SlowCopy(ctx, dep, migration_interval_s=0.5), pinned=frozenset(range(n)))
+    policy = Checked(_llumnix(cluster, dep, SlowCopy, migration_interval_s=0.5), pinned=frozenset(range(n)))
     # all on replica 0, 4 at a time; each decodes its 100 tokens in about 2.5 s, within a pre-copy
     res = _run(policy, num_gpus, np.zeros(n), np.full(n, 100), np.full(n, 100), EngineConfig(max_num_seqs=4))
     assert policy.num_planned > 0 and res.num_migrations < policy.num_planned
@@ -183,9 +186,9 @@ def test_a_move_whose_request_finishes_during_the_precopy_is_called_off():
 class Switching(SlowCopy):
     """Alternates every span between replicas {r0, r1} and {r0, r2}: migrations meet hand-offs."""
 
-    def __init__(self, ctx, deployments):
-        super().__init__(ctx, deployments[0], migration_interval_s=0.3, migrate_out_freeness_tokens=4096.0,
-                         migrate_in_freeness_tokens=8192.0)
+    def __init__(self, cluster, deployments):
+        super().__init__(deployments[0], 1, LLAMA, cluster, migration_interval_s=0.3,
+                         migrate_out_freeness_tokens=4096.0, migrate_in_freeness_tokens=8192.0)
         self.deployments = deployments
 
     def migration_times(self, context_tokens, src, dst):
@@ -197,13 +200,13 @@ class Switching(SlowCopy):
 
 
 def test_migrations_survive_deployment_switches():
-    ctx, _, num_gpus = _tp4(3)
+    cluster, _, num_gpus = _tp4(3)
     r = [Replica(f"r{i}", ReplicaShape(4), tuple(range(4 * i, 4 * i + 4))) for i in range(3)]
     rng = np.random.default_rng(3)
     n = 80
     arrival = np.sort(rng.uniform(0, 12, n))
     out = np.where(rng.random(n) < 0.5, rng.integers(5, 40, n), rng.integers(300, 900, n))
-    policy = Checked(Switching(ctx, (Deployment((r[0], r[1])), Deployment((r[0], r[2])))),
+    policy = Checked(Switching(cluster, (Deployment((r[0], r[1])), Deployment((r[0], r[2])))),
                      pinned=frozenset(k for k in range(n) if k % 4))  # r0 takes 3 in 4, r1 or r2 1 in 4
     res = _run(policy, num_gpus, arrival, rng.integers(100, 3000, n), out, EngineConfig(max_num_seqs=6), SMALL_KV,
                span_s=2.0)
@@ -213,8 +216,8 @@ def test_migrations_survive_deployment_switches():
 
 
 def test_migration_cost_model():
-    ctx = _ctx(16)  # two nodes of 8
-    policy = LlumnixPolicy(ctx, homogeneous_deployment(ctx, ReplicaShape(4)))
+    cluster = cluster_for_gpus(16)  # two nodes of 8
+    policy = _llumnix(cluster, homogeneous_deployment(cluster, ReplicaShape(4)))
     reps = [SimReplica(f"r{i}", ReplicaShape(4), None, EngineConfig(), 16_000) for i in range(3)]
     for rep, gpus in zip(reps, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))):
         rep.gpu_ids = gpus
@@ -227,14 +230,16 @@ def test_migration_cost_model():
 
 
 def test_dispatch_goes_to_the_freest_replica():
-    ctx = _ctx(8)
-    policy = LlumnixPolicy(ctx, homogeneous_deployment(ctx, ReplicaShape(4)))
+    cluster = cluster_for_gpus(8)
+    policy = _llumnix(cluster, homogeneous_deployment(cluster, ReplicaShape(4)))
     reps = [SimReplica(f"r{i}", ReplicaShape(4), None, EngineConfig(), 16_000) for i in range(2)]
+    loads = [_LoadView(r) for r in reps]
     reps[0].free_blocks -= 500
     assert freeness_tokens(reps[0]) < freeness_tokens(reps[1])
-    assert policy.route(None, reps) == 1
+    assert [load_freeness_tokens(x) for x in loads] == [freeness_tokens(r) for r in reps]
+    assert policy.route(0, loads) == 1
     reps[1].incoming_kv_blocks = 600  # reserved for a migration counts as used
-    assert policy.route(None, reps) == 0
+    assert policy.route(0, loads) == 0
 
 
 @settings(max_examples=30)
@@ -248,11 +253,11 @@ def test_dispatch_goes_to_the_freest_replica():
        out_threshold=st.sampled_from([256.0, 2048.0, 8192.0]))  # high ones migrate at moderate imbalance
 def test_conservation_with_migration_on_random_workloads(requests, num_replicas, max_seqs, memory_frac,
                                                          interval_s, per_pair, out_threshold):
-    ctx, dep, num_gpus = _tp4(num_replicas)
+    cluster, dep, num_gpus = _tp4(num_replicas)
     pinned = frozenset(k for k, (*_, pin) in enumerate(requests) if pin)
-    policy = Checked(LlumnixPolicy(ctx, dep, migration_interval_s=interval_s, max_migrations_per_pair=per_pair,
-                                   migrate_out_freeness_tokens=out_threshold,
-                                   migrate_in_freeness_tokens=2 * out_threshold), pinned)
+    policy = Checked(_llumnix(cluster, dep, migration_interval_s=interval_s, max_migrations_per_pair=per_pair,
+                              migrate_out_freeness_tokens=out_threshold,
+                              migrate_in_freeness_tokens=2 * out_threshold), pinned)
     arrival = np.cumsum([gap for gap, *_ in requests])
     inp = [i for _, i, _, _ in requests]
     out = [o for _, _, o, _ in requests]

@@ -1,4 +1,4 @@
-"""Tests of oserve.workload: trace loading, workload types (k-means), type mix per span."""
+"""Tests of oserve.traces and oserve.workload_types: trace loading, workload types (k-means), type mix per span."""
 
 from __future__ import annotations
 
@@ -17,18 +17,8 @@ from hypothesis import strategies as st
 from conftest import SHARED_DATA
 from oserve.data import data_path
 from oserve.errors import ConfigError, TraceError
-from oserve.workload import (
-    NAMES_4,
-    NUM_LENGTH_SAMPLES,
-    Request,
-    Trace,
-    count_spans,
-    fit_types,
-    load_trace,
-    mix_cv,
-    mix_cv_noise,
-    span_counts,
-)
+from oserve.workload_types import NAMES_4, NUM_LENGTH_SAMPLES, count_spans, fit_types, mix_cv, mix_cv_noise, span_counts
+from oserve.traces import Request, Trace, load_trace
 
 SHARED_TRACES = SHARED_DATA / "traces"
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
@@ -109,7 +99,7 @@ def test_bundled_traces_are_byte_identical_copies(name: str) -> None:
 
 
 def test_core_imports_no_bus_or_async() -> None:
-    code = ("import sys, oserve.workload; "
+    code = ("import sys, oserve.traces, oserve.workload_types; "
             "bad = [m for m in ('nats', 'asyncio', 'opentelemetry') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

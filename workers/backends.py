@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from oserve.defaults import GPUS_PER_NODE
 from oserve.perfmodel import PerfModel
-from oserve.sim.engine import SimReplica, SimRequest
+from oserve.engine_model import SimReplica, SimRequest
 from oserve.specs import EngineConfig, MemoryConfig, ReplicaShape, gpu_preset, kv_capacity_tokens, model_preset
 
 
@@ -27,6 +28,13 @@ class Job:
     max_tokens: int
     type_index: int
     arrival_s: float
+    output_tokens: int = 0
+    """Tokens the simulated model answers with (`Dispatch.sim_output_tokens`, capped at max_tokens); 0:
+    max_tokens. Only the `sim` and `echo` backends read it."""
+
+    @property
+    def answer_tokens(self) -> int:
+        return min(self.output_tokens, self.max_tokens) if self.output_tokens > 0 else self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +52,7 @@ class Load:
     num_waiting: int
     num_running: int
     kv_load_frac: float
+    kv_capacity_tokens: int = 0
 
 
 class Backend(Protocol):
@@ -60,7 +69,7 @@ class EchoBackend:
     """Zero-cost engine: every request finishes the moment it arrives (for the bus benchmark)."""
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
-        return [Finished(job.seq, job.max_tokens, now_s, now_s)]
+        return [Finished(job.seq, job.answer_tokens, now_s, now_s)]
 
     def advance(self, now_s: float) -> list[Finished]:
         return []
@@ -81,7 +90,7 @@ class SimBackendConfig:
     gpu: str = "h100-80gb"
     tp: int = 1
     pp: int = 1
-    gpus_per_node: int = 8
+    gpus_per_node: int = GPUS_PER_NODE
 
 
 class SimBackend:
@@ -97,7 +106,7 @@ class SimBackend:
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
         done = self.advance(now_s)  # the kernel's order: step ends up to now first, then the arrival
-        self.replica.enqueue(SimRequest(job.seq, job.type_index, now_s, job.input_tokens, job.max_tokens), now_s)
+        self.replica.enqueue(SimRequest(job.seq, job.type_index, now_s, job.input_tokens, job.answer_tokens), now_s)
         return done + self._rejected()
 
     def advance(self, now_s: float) -> list[Finished]:
@@ -122,4 +131,4 @@ class SimBackend:
 
     def load(self) -> Load:
         rep = self.replica
-        return Load(len(rep.waiting), rep.num_running, rep.kv_load_frac())
+        return Load(len(rep.waiting), rep.num_running, rep.kv_load_frac(), rep.total_blocks * rep.block_tokens)

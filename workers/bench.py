@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import nats
 
+from oserve.errors import ConfigError
 from oserve.streams.schemas import SubmitRequest, encode
 from oserve.streams.subjects import Subjects
 from oserve.workers.clock import Clock
@@ -37,7 +38,7 @@ class BusBenchConfig:
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_latency_requests", "concurrency", "num_rounds"):
             if getattr(self, name) < 1:
-                raise ValueError(f"BusBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"BusBenchConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 async def _throughput(nc, subject: str, payloads: list[bytes], concurrency: int) -> float:

@@ -6,6 +6,8 @@ import asyncio
 import time
 from typing import Callable
 
+from oserve.errors import ConfigError
+
 
 class Clock:
     """Clock time `now_s()` = start_s + (wall seconds since creation) * speedup.
@@ -17,7 +19,7 @@ class Clock:
     def __init__(self, speedup: float = 1.0, start_s: float = 0.0,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         if not speedup > 0:
-            raise ValueError(f"Clock: speedup must be > 0, got {speedup}")
+            raise ConfigError(f"Clock: speedup must be > 0, got {speedup}")
         self.speedup = float(speedup)
         self.start_s = float(start_s)
         self._monotonic = monotonic

@@ -29,6 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Tracer
 
+from oserve.errors import ConfigError
 from oserve.observability.tracing import extract, inject, trace_headers
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Completed, Completion, Dispatch, ErrorCode, ErrorReply,
                                     Heartbeat, Reply, SchemaError, Telemetry, decode, encode)
@@ -62,13 +63,13 @@ class EngineWorkerConfig:
     def __post_init__(self) -> None:
         self.subjects.replica(self.replica_id)  # validates the id as a subject token
         if self.backend not in ("sim", "echo"):
-            raise ValueError(f"EngineWorkerConfig.backend must be sim or echo, got {self.backend!r}")
+            raise ConfigError(f"EngineWorkerConfig.backend must be sim or echo, got {self.backend!r}")
         for name in ("heartbeat_interval_wall_s", "completion_flush_wall_s", "telemetry_interval_s",
                      "drain_timeout_wall_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dedupe_capacity < 1:
-            raise ValueError(f"EngineWorkerConfig.dedupe_capacity must be >= 1, got {self.dedupe_capacity}")
+            raise ConfigError(f"EngineWorkerConfig.dedupe_capacity must be >= 1, got {self.dedupe_capacity}")
 
 
 @dataclass(slots=True)
@@ -201,7 +202,8 @@ class EngineWorker(Worker):
             return
         now_s = self.clock.now_s()
         self._seq += 1
-        job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s)
+        job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s,
+                  d.sim_output_tokens or 0)
         span = None
         if self.tracer is not None:
             span = self.tracer.start_span("engine.serve", context=extract(msg.headers), kind=SpanKind.CONSUMER,
@@ -292,7 +294,8 @@ class EngineWorker(Worker):
         load = self.backend.load()
         await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
             replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,
-            num_running=load.num_running, accepting=self._accepting)))
+            num_running=load.num_running, accepting=self._accepting, kv_load_frac=load.kv_load_frac,
+            kv_capacity_tokens=load.kv_capacity_tokens)))
 
     async def _heartbeat_loop(self) -> None:
         while True:

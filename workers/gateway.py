@@ -3,9 +3,14 @@
 - A queue group (`GatewayConfig.queue_group`) on the submit subject shares the load among gateways.
 - Validation at the edge (`decode_submit`): any bad input gets a structured `ErrorReply`, never a crash
   or a silence.
-- Classification with the input length and an output estimate (hint, else max tokens, else the
-  types' mean); routing by the current assignment with smooth weighted round robin over the live,
-  accepting replicas (uniform over them until an assignment arrives).
+- Classification at arrival by the online estimator (`oserve.online_types.OnlineTypes`, as fitted
+  before serving: input length, the client's max tokens or output hint), which keeps learning from
+  the engines' completions (true lengths, known only then). Routing by the one rule every plan is
+  scored with (`oserve.routing.least_loaded`): the least loaded of the live, accepting replicas the
+  assignment gives the request's class (all of them until an assignment arrives). A replica's load is
+  its last heartbeat's KV load plus what this gateway dispatched to it since.
+- A request whose input plus max tokens exceeds the model's context window is refused (`invalid`),
+  as vLLM refuses it; without max tokens it may generate up to the window.
 - The dispatch goes to the replica's subject with the client's inbox as reply subject: the engine
   answers the client directly.
 - Nothing lost: every forwarded request stays in `pending` until a `Completed` event names it; a
@@ -40,6 +45,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from oserve.errors import ConfigError
 from oserve.observability.tracing import extract, inject, trace_headers
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
                                     ErrorCode, ErrorReply, Heartbeat, Ping, Pong, SchemaError, decode, decode_submit,
@@ -47,8 +53,8 @@ from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Arrival, Arrived, Assignm
 from oserve.streams.subjects import Subjects, dedupe_key
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
-from oserve.workers.router import Classifier, SmoothWRR
-from oserve.workload import WorkloadTypes
+from oserve.online_types import OnlineTypes
+from oserve.routing import least_loaded
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +67,9 @@ class GatewayConfig:
     subjects: Subjects = field(default_factory=Subjects)
     queue_group: str = "gateway"
     """Queue group on the submit subject; gateways in one group share the requests."""
-    default_max_tokens: int = 256
-    """Tokens to generate when a request gives no max_tokens."""
     max_context_tokens: int = 32768
-    """Input plus max tokens allowed for one request."""
+    """The model's context window: input plus max tokens allowed for one request; a request without max
+    tokens may generate up to it (vLLM's default)."""
     heartbeat_timeout_wall_s: float = 2.0
     """A replica silent for this long (wall seconds) is dead; its requests are re-dispatched."""
     no_replica_wait_wall_s: float = 5.0
@@ -79,21 +84,39 @@ class GatewayConfig:
     """Requests this gateway owns at once (forwarded, not yet completed); beyond it new ones are refused."""
 
     def __post_init__(self) -> None:
-        for name in ("default_max_tokens", "max_context_tokens", "max_attempts", "max_pending"):
+        for name in ("max_context_tokens", "max_attempts", "max_pending"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
         if not self.no_replica_wait_wall_s >= 0:
-            raise ValueError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
+            raise ConfigError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
 
 
 @dataclass(slots=True)
 class _Replica:
+    """A replica as the gateway knows it: liveness, and its load (`oserve.routing.ReplicaLoad`)."""
+
     last_seen_wall_s: float
     accepting: bool = True
     alive: bool = True
+    reported_kv_frac: float = 0.0
+    reported_requests: int = 0
+    num_running: int = 0
+    kv_capacity_tokens: int = 0
+    sent_tokens: int = 0
+    """Tokens (input plus expected output) dispatched here since its last heartbeat."""
+    sent_requests: int = 0
+    incoming_kv_tokens: int = 0
+
+    @property
+    def kv_load_frac(self) -> float:
+        return self.reported_kv_frac + (self.sent_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0)
+
+    @property
+    def num_requests(self) -> int:
+        return self.reported_requests + self.sent_requests
 
 
 @dataclass(slots=True)
@@ -102,6 +125,8 @@ class _Pending:
     reply: str
     headers: dict[str, str] | None
     replica_id: str | None  # None: waiting for a live replica
+    est_output_tokens: int = 0
+    """The answer's length as estimated at arrival (the gateway never knows the true one before it ends)."""
     wait_until_wall_s: float | None = None
     """Set while a request never dispatched waits for a replica: answered `no_replica` after this time."""
 
@@ -111,16 +136,15 @@ class Gateway(Worker):
 
     name = "gateway"
 
-    def __init__(self, nc: NATS, config: GatewayConfig, clock: Clock, *, types: WorkloadTypes | None = None,
+    def __init__(self, nc: NATS, config: GatewayConfig, clock: Clock, *, estimator: OnlineTypes | None = None,
                  tracer: Tracer | None = None, kv: KeyValue | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
-        self.classifier = Classifier(types)
-        self._wrr = SmoothWRR()
+        self.estimator = estimator
+        """Classes requests at arrival and learns from completions; None: every request is class 0."""
         self._replicas: dict[str, _Replica] = {}
         self._eligible: list[str] = []
         self._weights: list[dict[str, float]] | None = None  # type index -> replica_id -> weight
-        self._uniform: dict[str, float] = {}
         self.pending: dict[str, _Pending] = {}  # request_id -> what was forwarded and where
         self._arrivals: list[Arrival] = []
         self._replicas_changed = asyncio.Event()
@@ -179,7 +203,6 @@ class Gateway(Worker):
 
     def _refresh_eligible(self) -> None:
         self._eligible = sorted(rid for rid, r in self._replicas.items() if r.alive and r.accepting)
-        self._uniform = {rid: 1.0 for rid in self._eligible}
         self._replicas_changed.set()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -194,10 +217,12 @@ class Gateway(Worker):
         self._last_heartbeat_read_wall_s = now
         r = self._replicas.get(hb.replica_id)
         if r is None:
-            self._replicas[hb.replica_id] = _Replica(now, hb.accepting)
+            r = self._replicas[hb.replica_id] = _Replica(now, hb.accepting)
+            self._report_load(r, hb)
             self._refresh_eligible()
         else:
             r.last_seen_wall_s = now
+            self._report_load(r, hb)
             if r.accepting == hb.accepting and r.alive:
                 return
             r.accepting, r.alive = hb.accepting, True
@@ -218,15 +243,40 @@ class Gateway(Worker):
         self._weights = [dict(w) for w in a.weights]
         self.strategy_id = a.strategy_id
 
+    @staticmethod
+    def _report_load(r: _Replica, hb: Heartbeat) -> None:
+        """A heartbeat's load replaces what the gateway had estimated since the last one."""
+        r.reported_kv_frac, r.reported_requests = hb.kv_load_frac, hb.num_waiting + hb.num_running
+        r.num_running, r.kv_capacity_tokens = hb.num_running, hb.kv_capacity_tokens
+        r.sent_tokens = r.sent_requests = 0
+
     def _route(self, type_index: int) -> str | None:
+        """The least loaded eligible replica for the class (`oserve.routing.least_loaded`)."""
         if not self._eligible:
             return None
-        weights = self._uniform
+        eligible = None
         if self._weights is not None and type_index < len(self._weights):
             w = self._weights[type_index]
-            if any(w.get(rid, 0.0) > 0 for rid in self._eligible):
-                weights = w
-        return self._wrr.pick(type_index, weights, self._eligible)
+            eligible = [w.get(rid, 0.0) for rid in self._eligible]
+        k = least_loaded([self._replicas[rid] for rid in self._eligible], eligible)
+        return self._eligible[k] if k is not None else None
+
+    def _sent(self, replica_id: str, p: _Pending) -> None:
+        """Count a dispatch into the replica's load until its next heartbeat reports it: its prompt's KV and
+        half its estimated answer's (what it holds on average while it decodes)."""
+        r = self._replicas.get(replica_id)
+        if r is not None:
+            r.sent_tokens += p.dispatch.input_tokens + p.est_output_tokens // 2
+            r.sent_requests += 1
+
+    def _classify(self, input_tokens: int, max_tokens: int | None, hint_tokens: int | None) -> tuple[int, int]:
+        """(class, estimated output tokens) of an arrival, from what the gateway knows of it now."""
+        if self.estimator is None:
+            return 0, hint_tokens or 0
+        cls = self.estimator.predict_one(input_tokens, output_hint=hint_tokens, max_tokens=max_tokens)
+        est = hint_tokens if hint_tokens is not None else \
+            round(self.estimator.estimate_output_one(input_tokens, max_tokens=max_tokens))
+        return cls, est
 
     # --- the request path --------------------------------------------------------------------------
 
@@ -265,14 +315,14 @@ class Gateway(Worker):
                 return
             cfg = self.config
             input_tokens = req.prompt_tokens()
-            max_tokens = req.max_tokens or cfg.default_max_tokens
-            if input_tokens + max_tokens > cfg.max_context_tokens:
+            if input_tokens + (req.max_tokens or 1) > cfg.max_context_tokens:
                 await self._reject(msg, req.request_id, ErrorCode.INVALID,
-                                   f"input ({input_tokens}) plus max tokens ({max_tokens}) exceeds the "
-                                   f"context limit {cfg.max_context_tokens}")
+                                   f"this model's maximum context length is {cfg.max_context_tokens} tokens; the "
+                                   f"request has {input_tokens} input tokens and asks for "
+                                   f"{req.max_tokens or 'at least 1'} more")
                 return
-            est = self.classifier.estimate_output(req.output_hint_tokens, req.max_tokens)
-            type_index = self.classifier.classify(input_tokens, est)
+            max_tokens = req.max_tokens or cfg.max_context_tokens - input_tokens
+            type_index, est = self._classify(input_tokens, req.max_tokens, req.output_hint_tokens)
             if span is not None:
                 span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,
                                      "oserve.input_tokens": input_tokens})
@@ -305,12 +355,12 @@ class Gateway(Worker):
                 await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")
                 return
             d = Dispatch(request_id=req.request_id, input_tokens=input_tokens, max_tokens=max_tokens,
-                         type_index=type_index, gateway_id=cfg.gateway_id)
+                         type_index=type_index, gateway_id=cfg.gateway_id, sim_output_tokens=req.sim_output_tokens)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
                 if span is not None:
                     span.add_event("waiting_for_replica")
-                self.pending[req.request_id] = _Pending(d, msg.reply, headers, None, wait_until_wall_s=(
+                self.pending[req.request_id] = _Pending(d, msg.reply, headers, None, est, wait_until_wall_s=(
                     asyncio.get_running_loop().time() + cfg.no_replica_wait_wall_s))
                 self._maybe_unrouted = True
             else:
@@ -320,7 +370,8 @@ class Gateway(Worker):
                 # and must never be re-dispatched later
                 await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
                                       headers=dict(headers) if headers else None)
-                self.pending[req.request_id] = _Pending(d, msg.reply, headers, replica_id)
+                self.pending[req.request_id] = pending = _Pending(d, msg.reply, headers, replica_id, est)
+                self._sent(replica_id, pending)
             self.num_accepted += 1
             self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
                                           input_tokens=input_tokens, est_output_tokens=est,
@@ -339,6 +390,8 @@ class Gateway(Worker):
         pending = self.pending
         for item in c.items:
             pending.pop(item.request_id, None)
+            if self.estimator is not None:
+                self.estimator.learn_one(item.input_tokens, item.output_tokens)
         for request_id in c.released:  # answered with an error: not to be re-dispatched
             pending.pop(request_id, None)
 
@@ -366,6 +419,7 @@ class Gateway(Worker):
             self.num_redispatched += 1
         await self.nc.publish(self.config.subjects.replica(target), encode(p.dispatch), reply=p.reply,
                               headers=dict(p.headers) if p.headers else None)
+        self._sent(target, p)
 
     async def _retry_unrouted(self) -> None:
         for rid, p in list(self.pending.items()):

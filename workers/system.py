@@ -1,8 +1,10 @@
 """The whole live system in one process (`oserve up`), and a trace replay through the client.
 
 `LiveSystem` wires the workers on one NATS connection: gateway, engine host, forecaster stage,
-scheduler and switch planner, all reading one `Clock`. Planning inputs (workload types, the capacity
-table, the first span's rates) are computed from a trace with the core's own functions.
+scheduler and switch planner, all reading one `Clock`. What the planner knows before serving (types,
+the arrival-time estimator, what each class contains, the capacity table, the last span's rates) is
+fitted on a history trace with the same function the simulator's evaluation uses
+(`oserve.planner.prior.fit_prior`): the trace the system starts from, never what it then serves.
 """
 
 from __future__ import annotations
@@ -13,24 +15,33 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
 import nats
+import numpy as np
 from nats.aio.client import Client as NATS
 
-from oserve.capacity import CapacityTable, LatencyTarget
-from oserve.client import ClientError, OServeClient, RequestRejected, RequestTimeout
+from oserve.defaults import ENGINE_START_S, SPAN_S, WORKER_NAMES
+from oserve.errors import ConfigError
+from oserve.forecast.baselines import LastValue
+from oserve.forecast.rates import RateForecaster
 from oserve.observability.tracing import TracingConfig, setup_tracing
-from oserve.sim.policies import PlanningContext, SwitchCosts
+from oserve.planner.config import PlannerConfig
+from oserve.planner.context import PlanningContext, SwitchCosts
+from oserve.planner.oserve import OServePlanner
+from oserve.planner.prior import Prior, fit_prior
+from oserve.planner.twin import TwinConfig
+from oserve.scheduler.search import SearchConfig
 from oserve.specs import cluster_for_gpus, model_preset
+from oserve.streams.client import ClientError, OServeClient, RequestRejected, RequestTimeout
 from oserve.streams.jetstream import ensure_streams
 from oserve.streams.schemas import SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
+from oserve.traces import Trace, load_trace
 from oserve.workers.clock import Clock
-from oserve.workers.control import (EngineHost, EngineHostConfig, ForecasterConfig, ForecasterStage,
-                                   SchedulerConfig, SchedulerWorker, SwitchPlannerConfig, SwitchPlannerWorker)
+from oserve.workers.engine_host import EngineHost, EngineHostConfig
+from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 from oserve.workers.gateway import Gateway, GatewayConfig
-from oserve.workers.router import Classifier
-from oserve.workload import Trace, WorkloadTypes, fit_types, load_trace, span_counts
+from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
+from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +53,11 @@ class SystemConfig:
     gpus: int = 8
     gpu: str = "h100-80gb"
     trace: str = "azure-conv"
-    """Trace the workload types and the initial rates are fitted on."""
+    """The history the planner's models are fitted on (`fit_prior`): requests seen before the system starts."""
+    history_minutes: float | None = None
+    """Fit on this many first minutes of `trace` (None: all of it)."""
     num_types: int = 4
-    span_s: float = 60.0
+    span_s: float = SPAN_S
     """Forecast/planning span on the clock (seconds)."""
     speedup: float = 1.0
     epoch_unix_s: float | None = None
@@ -54,49 +67,65 @@ class SystemConfig:
     fewer_replicas_slack: float = 0.02
     """Headroom the deployment MILP may give up for fewer replicas (`SearchConfig.fewer_replicas_slack`)."""
     twin: bool = False
-    """Score candidate deployments on the digital twin (`oserve.sim.twin`), as the simulated OServe does
-    (here on Poisson arrivals at the forecast: the live span view carries no arrival times). Off by
-    default: a re-plan then costs seconds of CPU, which a span of one real minute affords but the demo,
-    whose clock runs 60x faster than wall time, does not."""
-    engine_start_s: float = 8.0
+    """Score candidate deployments on the digital twin (`oserve.planner.twin`), as the simulated OServe does.
+    Off by default: a re-plan then costs seconds of CPU, which a span of one real minute affords but the
+    demo, whose clock runs 60x faster than wall time, does not."""
+    engine_start_s: float = ENGINE_START_S
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5
     tracing: TracingConfig = field(default_factory=TracingConfig)
-    workers: tuple[str, ...] = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
+    workers: tuple[str, ...] = WORKER_NAMES
 
     def __post_init__(self) -> None:
-        known = {"gateway", "engines", "forecaster", "scheduler", "switch-planner"}
-        if not set(self.workers) <= known:
-            raise ValueError(f"SystemConfig.workers: unknown {sorted(set(self.workers) - known)}; known {sorted(known)}")
+        if not set(self.workers) <= set(WORKER_NAMES):
+            raise ConfigError(f"SystemConfig.workers: unknown {sorted(set(self.workers) - set(WORKER_NAMES))}; "
+                              f"known {list(WORKER_NAMES)}")
         if self.gpus < 1 or self.num_types < 1 or not self.span_s > 0 or not self.speedup > 0:
-            raise ValueError(f"SystemConfig: gpus, num_types, span_s and speedup must be positive, got "
-                             f"{self.gpus}, {self.num_types}, {self.span_s}, {self.speedup}")
+            raise ConfigError(f"SystemConfig: gpus, num_types, span_s and speedup must be positive, got "
+                              f"{self.gpus}, {self.num_types}, {self.span_s}, {self.speedup}")
         if not 0 <= self.fewer_replicas_slack < 1:
-            raise ValueError(f"SystemConfig.fewer_replicas_slack must be in [0, 1), got {self.fewer_replicas_slack}")
+            raise ConfigError(f"SystemConfig.fewer_replicas_slack must be in [0, 1), got {self.fewer_replicas_slack}")
         if self.engine_start_s < 0 or self.heartbeat_interval_wall_s <= 0:
-            raise ValueError(f"SystemConfig: engine_start_s must be >= 0 and heartbeat_interval_wall_s > 0, got "
-                             f"{self.engine_start_s}, {self.heartbeat_interval_wall_s}")
+            raise ConfigError(f"SystemConfig: engine_start_s must be >= 0 and heartbeat_interval_wall_s > 0, got "
+                              f"{self.engine_start_s}, {self.heartbeat_interval_wall_s}")
+        if self.history_minutes is not None and not self.history_minutes > 0:
+            raise ConfigError(f"SystemConfig.history_minutes must be > 0, got {self.history_minutes}")
+
+    def planner_config(self) -> PlannerConfig:
+        return PlannerConfig(search=self.search, search_config=SearchConfig(fewer_replicas_slack=self.fewer_replicas_slack),
+                             twin=TwinConfig() if self.twin else None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PlanningInputs:
-    types: WorkloadTypes
+    """What the workers start from: the prior fitted on history, the planner built on it, and the rates
+    the first span is planned for."""
+
+    prior: Prior
     ctx: PlanningContext
+    planner: OServePlanner
+    initial_rps: np.ndarray
+    """Per-class rates of the first span: the history's last span, unless given."""
 
 
-def planning_inputs(config: SystemConfig, trace: Trace | None = None,
+def planning_inputs(config: SystemConfig, history: Trace | None = None,
                     initial_rps: np.ndarray | None = None) -> PlanningInputs:
-    """Types, capacity table and first-span rates from a trace, by the core's functions. Pure but slow (~1 s)."""
-    tr = trace if trace is not None else load_trace(config.trace)
-    types = fit_types(tr.input_tokens, tr.output_tokens, k=config.num_types)
+    """Fit the prior on `history` (default: `config.trace`, cut to `config.history_minutes`) and build the
+    planner; `initial_rps` overrides the first span's rates (an operator's expectation). Pure but slow
+    (about a second)."""
+    if history is None:
+        history = load_trace(config.trace)
+        if config.history_minutes is not None:
+            history = history.slice_time(0.0, config.history_minutes * 60.0)
     model = model_preset(config.model)
     cluster = cluster_for_gpus(config.gpus, config.gpu)
-    table = CapacityTable(model, cluster.gpu, types, LatencyTarget(), gpus_per_node=cluster.gpus_per_node)
-    if initial_rps is None:
-        initial_rps = span_counts(tr, types, config.span_s)[0] / config.span_s
-    costs = SwitchCosts(engine_start_s=config.engine_start_s)
-    return PlanningInputs(types, PlanningContext(model, cluster, table, costs,
-                                                 initial_rps=np.maximum(np.asarray(initial_rps, dtype=float), 1e-3)))
+    prior = fit_prior(history, model, cluster, span_s=config.span_s, k=config.num_types,
+                      duration_s=config.history_minutes * 60.0 if config.history_minutes else None)
+    ctx = PlanningContext(model, cluster, prior.table, SwitchCosts(engine_start_s=config.engine_start_s))
+    first = prior.counts[-1] / prior.span_s if initial_rps is None else np.asarray(initial_rps, dtype=float)
+    if first.shape != (prior.types.k,) or not np.all(np.isfinite(first)) or (first < 0).any():
+        raise ConfigError(f"planning_inputs: initial_rps must be {prior.types.k} rates >= 0, got {first.tolist()}")
+    return PlanningInputs(prior, ctx, OServePlanner(ctx, config.planner_config()), first)
 
 
 class LiveSystem:
@@ -118,7 +147,8 @@ class LiveSystem:
     async def start(self) -> None:
         cfg, tracer, clock, nc = self.config, self.tracing.tracer, self.clock, self.nc
         kv = await ensure_streams(nc.jetstream(), cfg.subjects)
-        gpn = self.inputs.ctx.cluster.gpus_per_node
+        ctx = self.inputs.ctx
+        gpn = ctx.cluster.gpus_per_node
         w = set(cfg.workers)
         # order: consumers before producers, so no event is published to nobody
         if "engines" in w:
@@ -128,24 +158,24 @@ class LiveSystem:
                                    clock, tracer=tracer)
             await self.host.start()
         if "gateway" in w:
-            self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects,
+            self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, max_context_tokens=ctx.model.max_context_tokens,
                                                      heartbeat_timeout_wall_s=4 * cfg.heartbeat_interval_wall_s),
-                                   clock, types=self.inputs.types, tracer=tracer, kv=kv)
+                                   clock, estimator=self.inputs.prior.fresh_estimator(), tracer=tracer, kv=kv)
             await self.gateway.start()
         if "switch-planner" in w:
             self.switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=cfg.subjects, gpus_per_node=gpn),
-                                                clock, tracer=tracer, kv=kv)
+                                                clock, tracer=tracer, kv=kv, model=ctx.model, cluster=ctx.cluster)
             await self.switcher.start()
         if "forecaster" in w:
+            prior = self.inputs.prior
+            rates = RateForecaster(LastValue(prior.types.k).fit(prior.counts), cfg.span_s)
             self.forecaster = ForecasterStage(
-                nc, ForecasterConfig(subjects=cfg.subjects, span_s=cfg.span_s, num_types=self.inputs.types.k),
-                clock, classifier=Classifier(self.inputs.types), tracer=tracer, js=nc.jetstream())
+                nc, ForecasterConfig(subjects=cfg.subjects, span_s=cfg.span_s, num_types=prior.types.k),
+                clock, forecaster=rates, types=prior.types, tracer=tracer, js=nc.jetstream())
             await self.forecaster.start()
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
-                                             self.inputs.ctx, search_name=cfg.search,
-                                             fewer_replicas_slack=cfg.fewer_replicas_slack, twin=cfg.twin,
-                                             tracer=tracer)
+                                             self.inputs.planner, self.inputs.initial_rps, tracer=tracer)
             await self.scheduler.start()
 
     def _workers(self):
@@ -183,8 +213,9 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
                  subjects: Subjects | None = None) -> dict:
     """Publish a trace's requests at their sped-up times, await every reply, and summarise.
 
-    The output length of each trace request is sent as its `max_tokens` (the `sim` backend generates
-    exactly that many); no hint is given, so the router classifies with max tokens.
+    Each request carries what a client sends: its input length and its max tokens if the trace has
+    them. Its true output length goes only to the simulated engine (`sim_output_tokens`, which the
+    gateway never reads): the router classes it as a real one would, without knowing it.
     """
     subjects = subjects or client.subjects
     switches = {"planned": 0, "completed": 0, "rolled_back": 0, "changed": 0}
@@ -208,12 +239,12 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]  # ids unique per run: a second replay must not meet the first's answers
 
-    async def one(i: int, at_s: float, inp: int, out: int) -> None:
+    async def one(i: int, at_s: float, inp: int, out: int, cap: int) -> None:
         nonlocal lost
         await asyncio.sleep(max(0.0, t0 + at_s / speedup - time.monotonic()))
         try:
-            r = await client.submit(input_tokens=inp, max_tokens=max(1, out), request_id=f"replay-{run_id}-{i}",
-                                    timeout_s=timeout_s)
+            r = await client.submit(input_tokens=inp, max_tokens=cap or None, request_id=f"replay-{run_id}-{i}",
+                                    timeout_s=timeout_s, sim_output_tokens=max(1, out))
             e2e.append(r.e2e_s)
         except RequestRejected as exc:
             errors[exc.code] = errors.get(exc.code, 0) + 1
@@ -224,7 +255,7 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
     async with asyncio.TaskGroup() as tg:
         for i in range(len(trace)):
             tg.create_task(one(i, float(trace.arrival_s[i]) - start_s, int(trace.input_tokens[i]),
-                               int(trace.output_tokens[i])))
+                               int(trace.output_tokens[i]), int(trace.max_tokens[i])))
     await sub.unsubscribe()
     e2e.sort()
     return {

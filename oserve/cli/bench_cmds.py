@@ -24,12 +24,13 @@ def bench_perfmodel(
     Collectives: every fifth measured message size held out of each curve's fit.
     """
     from oserve import calibration as cal
+    from oserve.perfmodel import COEFFICIENTS_FILE
     from oserve.data import data_path
     from oserve.specs import GPUS
 
     gpu = GPUS["h100-80gb"]
     start = time.perf_counter()
-    layer_rows, coll_rows = cal.read_compact(data_path(cal.COEFFICIENTS_FILE).parent)
+    layer_rows, coll_rows = cal.read_compact(data_path(COEFFICIENTS_FILE).parent)
     scores = cal.score(layer_rows, coll_rows, gpu.peak_flops, gpu.hbm_bytes_per_s)
     layers, colls = scores["layers"], scores["collectives"]
     result = {
@@ -65,16 +66,17 @@ def calibrate(
 ) -> None:
     """Rebuild the shipped profile extract and fitted coefficients from Vidur's profiling CSVs."""
     from oserve import calibration as cal
+    from oserve.perfmodel import COEFFICIENTS_FILE
     from oserve.data import data_path
     from oserve.specs import GPUS
 
     gpu = GPUS["h100-80gb"]
-    target = out or data_path(cal.COEFFICIENTS_FILE).parent
+    target = out or data_path(COEFFICIENTS_FILE).parent
     target.mkdir(parents=True, exist_ok=True)
     layer_rows, coll_rows = cal.extract_profiles(profiling)
     cal.write_compact(layer_rows, coll_rows, target)
     coeffs = cal.fit_all(layer_rows, coll_rows, gpu.peak_flops, gpu.hbm_bytes_per_s)
-    with open(target / cal.COEFFICIENTS_FILE, "w") as f:
+    with open(target / COEFFICIENTS_FILE, "w") as f:
         json.dump(coeffs, f, indent=1, sort_keys=True)
     typer.echo(f"wrote {len(layer_rows)} layer points, {len(coll_rows)} collective points and "
-               f"{cal.COEFFICIENTS_FILE} to {target}")
+               f"{COEFFICIENTS_FILE} to {target}")

@@ -2,8 +2,9 @@
 
 It starts a real `nats-server`, every worker (gateway/router, forecaster stage, scheduler, switch
 planner, engines with the simulated backend on a clock running `--speedup` times faster than wall
-time), replays the bundled Azure conversation trace through the client with a live view, then prints
-a summary and writes a report folder. `--simulated` instead runs the same method and its baselines in
+time), fits the planner's models on the bundled Azure conversation trace's first `--history-minutes`,
+replays the minutes after them through the client with a live view, then prints a summary and writes
+a report folder. `--simulated` instead runs the same method and its baselines in
 the offline simulator, side by side.
 """
 
@@ -24,7 +25,9 @@ from oserve.cli import app
 def demo(
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the (simulated) cluster."),
-    minutes: float = typer.Option(60.0, help="Minutes of the bundled trace to replay."),
+    minutes: float = typer.Option(50.0, help="Minutes of the bundled trace to replay, after its history."),
+    history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes of the bundled trace the "
+                                                                          "planner's models are fitted on."),
     speedup: float = typer.Option(60.0, help="Clock speed relative to wall time."),
     out: Path = typer.Option(Path("report/demo"), help="Report folder (PNG plots, summary.json)."),
     view: bool = typer.Option(True, help="Show the live view while replaying."),
@@ -39,41 +42,47 @@ def demo(
 
     model_preset(model)  # fail fast on bad input, before any work
     cluster_for_gpus(gpus)
-    if not minutes > 0 or not speedup > 0:
-        raise ConfigError(f"--minutes and --speedup must be > 0, got {minutes} and {speedup}")
+    if not minutes > 0 or not speedup > 0 or not history_minutes > 0:
+        raise ConfigError(f"--minutes, --history-minutes and --speedup must be > 0, got {minutes}, "
+                          f"{history_minutes} and {speedup}")
     out.mkdir(parents=True, exist_ok=True)
     if simulated:
-        summary = _simulated(model, gpus, minutes, load, out, show=not json_out)
+        summary = _simulated(model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
-        summary = _live(model, gpus, minutes, speedup, out, view and not json_out, show=not json_out)
+        summary = _live(model, gpus, minutes, history_minutes, speedup, out, view and not json_out,
+                        show=not json_out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
 
 
-def _live(model: str, gpus: int, minutes: float, speedup: float, out: Path, view: bool, show: bool) -> dict:
+def _live(model: str, gpus: int, minutes: float, history_minutes: float, speedup: float, out: Path, view: bool,
+          show: bool) -> dict:
     import asyncio
 
     from oserve.cli.live_cmds import _system_config
+    from oserve.errors import ConfigError
     from oserve.cli.sim_cmds import out_console
     from oserve.streams.server import NatsServer
-    from oserve.workload import load_trace
+    from oserve.traces import load_trace
 
     trace = load_trace("azure-conv")
-    part = trace.slice_time(0.0, minutes * 60.0)
-    config = _system_config("oserve", model, gpus, speedup, 60.0, "azure-conv", "none", "")
+    history_s = history_minutes * 60.0
+    part = trace.slice_time(history_s, history_s + minutes * 60.0)
+    if not len(part):
+        raise ConfigError(f"the bundled trace has no request after its first {history_minutes:g} minutes")
+    config = _system_config("oserve", model, gpus, speedup, 60.0, "azure-conv", "none", "",
+                            history_minutes=history_minutes)
     console = Console(stderr=True)
     console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the bundled Azure conversation trace "
-                  f"({minutes:.0f} min) through the live pipeline at {speedup:g}x on {gpus} simulated GPUs "
-                  f"({model}); Ctrl-C drains and stops.")
+                  f"(minutes {history_minutes:g} to {history_minutes + part.duration_s / 60:.0f}, after the "
+                  f"{history_minutes:g} the planner is fitted on) through the live pipeline at {speedup:g}x on "
+                  f"{gpus} simulated GPUs ({model}); Ctrl-C drains and stops.")
     start = time.perf_counter()
     with NatsServer() as server:
-        result, record = asyncio.run(_live_run(server.url, config, trace, part, speedup, view, console))
+        result, record = asyncio.run(_live_run(server.url, config, part, speedup, view, console))
     result["seconds"] = time.perf_counter() - start
-    from oserve.workload import fit_types
-
-    names = fit_types(trace.input_tokens, trace.output_tokens, k=config.num_types).names  # as the system fits them
-    _live_report(record, config, gpus, names, out)
+    _live_report(record, config, gpus, out)
     summary = {"mode": "live", "model": model, "gpus": gpus, "minutes": minutes, **result, "report": str(out)}
     if not show:
         return summary
@@ -91,7 +100,7 @@ def _live(model: str, gpus: int, minutes: float, speedup: float, out: Path, view
     return summary
 
 
-async def _live_run(url: str, config, trace, part, speedup: float, view: bool, console: Console):
+async def _live_run(url: str, config, part, speedup: float, view: bool, console: Console):
     """Start every worker, replay with the live view, drain; returns (replay result, recorded events)."""
     import asyncio
     import contextlib
@@ -99,7 +108,7 @@ async def _live_run(url: str, config, trace, part, speedup: float, view: bool, c
 
     from rich.live import Live
 
-    from oserve.client import OServeClient
+    from oserve.streams.client import OServeClient
     from oserve.observability.live_view import LiveView
     from oserve.streams.schemas import Completed, ForecastMade, StrategyChosen, decode
     from oserve.workers.system import LiveSystem, connect, planning_inputs, replay
@@ -127,7 +136,9 @@ async def _live_run(url: str, config, trace, part, speedup: float, view: bool, c
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with LiveSystem(nc, config, planning_inputs(config, trace)) as system:
+        inputs = planning_inputs(config)
+        record["class_names"] = list(inputs.prior.class_names)
+        async with LiveSystem(nc, config, inputs) as system:
             await system.wait_serving(60)
             client = await OServeClient.connect(url, subjects=subjects, default_timeout_s=120.0)
             try:
@@ -157,22 +168,25 @@ async def _live_run(url: str, config, trace, part, speedup: float, view: bool, c
     return result, record
 
 
-def _live_report(record: dict, config, gpus: int, names: tuple[str, ...], out: Path) -> None:
+def _live_report(record: dict, config, gpus: int, out: Path) -> None:
     """PNG plots from the recorded events, in the same formats as the simulator's report."""
     import numpy as np
 
+    from oserve.engine_model import TokenHistogram
     from oserve.observability import report
-    from oserve.sim.cluster import SimResult
-    from oserve.sim.engine import TokenHistogram
+    from oserve.sim.kernel import SimResult
     from oserve.specs import ReplicaShape
 
     done = record["completions"]
+    names = tuple(record.get("class_names", ()))
     if done:
+        n = len(done)
         e2e = np.array([c.e2e_s for c in done])
         ttft = np.array([c.ttft_s for c in done])
-        fake = SimResult("oserve (live)", np.zeros(len(done)), np.zeros(len(done), dtype=int), ttft, e2e, e2e,
-                         np.zeros(len(done), dtype=bool), 0, 0, TokenHistogram(), np.zeros(len(done)), [])
-        report.latency_cdf({"oserve (live)": fake}, out / "latency_cdf.png", "Live pipeline: latency (clock seconds)")
+        none = np.zeros(n, dtype=bool)
+        live = SimResult("oserve (live)", np.zeros(n), np.zeros(n, dtype=int), ttft, e2e, e2e, none, none, 0, 0,
+                         TokenHistogram(), np.zeros(n), np.zeros(n), np.zeros(n), [])
+        report.latency_cdf({"oserve (live)": live}, out / "latency_cdf.png", "Live pipeline: latency (clock seconds)")
     span_s = config.span_s
     strategies = sorted(record["strategies"], key=lambda s: s.span_index)
     if strategies:
@@ -185,34 +199,38 @@ def _live_report(record: dict, config, gpus: int, names: tuple[str, ...], out: P
             last = key
         report.deployment_timeline(spans, gpus, out / "deployment.png", "Live pipeline: deployment over time")
     forecasts = sorted(record["forecasts"], key=lambda f: f.span_index)
-    if forecasts:
+    if forecasts and names:
         planned = {f.span_index + 1: list(f.forecast_rps) for f in forecasts}
-        spans = [{"start_s": f.span_start_s, "counts": list(f.observed_counts), "forecast_rps": planned.get(f.span_index, [])}
-                 for f in forecasts]
-        report.rates_and_forecast(spans, names, span_s, out / "rates.png", "Live pipeline: per-type rates and forecast")
+        spans = [{"start_s": f.span_start_s, "forecast_rps": planned.get(f.span_index, [])} for f in forecasts]
+        counts = np.array([f.observed_counts for f in forecasts])
+        report.rates_and_forecast(spans, counts, names, span_s, out / "rates.png",
+                                  "Live pipeline: per-class rates and forecast")
 
 
-def _simulated(model: str, gpus: int, minutes: float, load: float, out: Path, show: bool) -> dict:
-    from oserve.cli.sim_cmds import _run, _table, out_console
+def _simulated(model: str, gpus: int, minutes: float, history_minutes: float, load: float, out: Path,
+               show: bool) -> dict:
+    from oserve.cli.sim_cmds import _json_safe, _run, _table, out_console
+    from oserve.evaluation.registry import POLICY_NAMES
     from oserve.observability import report
-    from oserve.sim.evaluate import POLICIES
 
     console = Console(stderr=True)
     start = time.perf_counter()
-    scenario, comparison, cluster = _run("azure-conv", model, gpus, POLICIES, load, minutes, 60.0, 0, console)
+    scenario, comparison, cluster = _run("azure-conv", model, gpus, POLICY_NAMES, load, minutes, 60.0, 0, console,
+                                         history_minutes=history_minutes)
     report.latency_cdf(comparison.results, out / "latency_cdf.png", "azure-conv: latency per policy")
     oserve = comparison.results["oserve"]
+    names = comparison.prior.class_names
     report.deployment_timeline(oserve.spans, cluster.num_gpus, out / "deployment.png", "OServe's deployment over time")
-    report.rates_and_forecast(oserve.spans, scenario.table.type_names, 60.0, out / "rates.png",
-                              "Per-type rates and OServe's forecast")
+    report.rates_and_forecast(oserve.spans, oserve.span_counts(60.0, len(names)), names, 60.0, out / "rates.png",
+                              "Per-class rates and OServe's forecast")
     s = oserve.summary()
     if show:
         out_console().print(_table(comparison, scenario))
-    return {
+    return _json_safe({
         "mode": "simulated", "model": model, "gpus": gpus, "minutes": minutes, "load": load,
-        "requests": s["requests"], "answered": s["finished"], "errors": s["dropped"],
-        "switches": s["switches"] - 1, "p99_s": s["p99_e2e_s"], "p99_ttft_s": s["p99_ttft_s"],
+        "requests": s["requests"], "answered": s["finished"], "refused": s["refused"], "unfinished": s["dropped"],
+        "switches": s["switches"], "p99_s": s["p99_e2e_s"], "p99_ttft_s": s["p99_ttft_s"],
         "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
         "policies": {name: r.summary() for name, r in comparison.results.items()},
         "report": str(out), "seconds": time.perf_counter() - start,
-    }
+    })

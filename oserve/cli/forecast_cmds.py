@@ -45,11 +45,12 @@ def _is_servegen(path: Path) -> bool:
 
 def _load_series(trace: str, span_s: float, k: int, seed: int) -> _Series:
     """A per-request trace (Azure CSV, JSONL, bundled name) at `span_s`, or a ServeGen trace CSV (600 s)."""
-    from oserve.workload import fit_types, load_trace, span_counts
+    from oserve.workload_types import fit_types, span_counts
+    from oserve.traces import load_trace
 
     path = Path(trace)
     if path.suffix == ".csv" and path.is_file() and _is_servegen(path):
-        from oserve.forecast.servegen import servegen_series
+        from oserve.forecast.servegen_series import servegen_series
 
         lengths = path.with_name(path.stem + "_lengths.csv")
         s = servegen_series(path, lengths, k=k, seed=seed)
@@ -81,7 +82,8 @@ def _run(series: _Series, names: list[str], seed: int, lookback_spans: int):
     """Evaluate the named forecasters on one CPU thread; returns (evaluation, forecasters, lookback used)."""
     import torch
 
-    from oserve.forecast.evaluate import evaluate, fit_lookback, make_forecasters
+    from oserve.forecast.evaluate import evaluate, fit_lookback
+    from oserve.forecast.registry import make_forecasters
     from oserve.forecast.metrics import chronological_split
 
     n_train = chronological_split(len(series.counts), 0.9)
@@ -146,7 +148,7 @@ def forecast_cmd(
 ) -> None:
     """Train on the first 90% of the spans, forecast the last 10% one step at a time, report RRMSE per
     type and forecaster, and plot forecast vs actual per type."""
-    from oserve.forecast.evaluate import FORECASTER_NAMES, ALIASES
+    from oserve.forecast.registry import ALIASES, FORECASTER_NAMES
 
     if not (span > 0 and math.isfinite(span)):
         raise ConfigError(f"--span must be a positive number of seconds; got {span!r}")
@@ -210,7 +212,7 @@ def _misclassification(series: _Series, seed: int) -> dict[str, object] | None:
     if series.requests is None:
         return None
     from oserve.online_types import OnlineTypes, replay_misclassification
-    from oserve.workload import fit_types
+    from oserve.workload_types import fit_types
 
     inp, outp = series.requests
     head = max(len(inp) // 5, 8)
@@ -239,7 +241,7 @@ def bench_forecast(
 ) -> None:
     """RRMSE of every forecaster on the ServeGen traces (10-min spans) and the bundled Azure traces
     (short spans), with the Poisson noise floor and forecast latency; chronological 90/10 split."""
-    from oserve.forecast.evaluate import FORECASTER_NAMES
+    from oserve.forecast.registry import FORECASTER_NAMES
 
     start = time.perf_counter()
     names = list(FORECASTER_NAMES)

@@ -11,6 +11,7 @@ import json
 import typer
 
 from oserve.cli import app, bench_app
+from oserve.defaults import WORKER_NAMES
 from oserve.streams.server import redact_url  # noqa: F401  (re-exported: used here and by tests)
 
 
@@ -52,17 +53,15 @@ def bench_bus(
     Console().print(t)
 
 
-_WORKER_NAMES = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
-
-
 def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,
-                   otlp_endpoint: str, workers: tuple[str, ...] = _WORKER_NAMES, epoch_unix_s: float = 0.0):
+                   otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
+                   history_minutes: float | None = None):
     from oserve.observability.tracing import TracingConfig
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import SystemConfig
 
     return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
-                        trace=trace,
+                        trace=trace, history_minutes=history_minutes,
                         tracing=TracingConfig(exporter=tracing, otlp_endpoint=otlp_endpoint),  # type: ignore[arg-type]
                         workers=workers, epoch_unix_s=epoch_unix_s or None)
 
@@ -123,7 +122,8 @@ MODEL = typer.Option("llama2-7b", help="Model preset the simulated engines run."
 GPUS = typer.Option(8, help="GPUs of the simulated cluster.")
 SPEEDUP = typer.Option(1.0, help="Clock speed relative to wall time.")
 SPAN_S = typer.Option(60.0, help="Forecast/planning span (clock seconds).")
-TRACE = typer.Option("azure-conv", help="Trace the workload types are fitted on.")
+TRACE = typer.Option("azure-conv", help="History the planner's models are fitted on (requests before the system "
+                                        "started).")
 PREFIX = typer.Option("oserve", help="Subject prefix.")
 TRACING = typer.Option("none", help="Span exporter: none, console or otlp.")
 OTLP_ENDPOINT = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint.")
@@ -162,7 +162,7 @@ def up(
 
 @app.command("worker")
 def worker(
-    name: str = typer.Argument(..., help=f"One of: {', '.join(_WORKER_NAMES)}."),
+    name: str = typer.Argument(..., help=f"One of: {', '.join(WORKER_NAMES)}."),
     nats_url: str = typer.Option(..., "--nats", envvar="OSERVE_NATS_URL",
                                  help="NATS URL."),
     model: str = MODEL,
@@ -182,8 +182,8 @@ def worker(
 
     from oserve.errors import ConfigError
 
-    if name not in _WORKER_NAMES:
-        raise ConfigError(f"unknown worker {name!r}; one of {', '.join(_WORKER_NAMES)}")
+    if name not in WORKER_NAMES:
+        raise ConfigError(f"unknown worker {name!r}; one of {', '.join(WORKER_NAMES)}")
     _logging()
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch)
     asyncio.run(_serve(nats_url, config, duration_s, name))
@@ -193,7 +193,10 @@ def worker(
 def replay_cmd(
     trace: str = typer.Argument("azure-conv", help="Trace name or CSV path."),
     speedup: float = typer.Option(60.0, help="Clock speed relative to wall time."),
-    minutes: float = typer.Option(5.0, help="Minutes of the trace to replay (from its start)."),
+    minutes: float = typer.Option(5.0, help="Minutes of the trace to replay."),
+    history_minutes: float = typer.Option(10.0, "--history-minutes",
+                                          help="Embedded system: it is fitted on the trace's first minutes and "
+                                               "replays the ones after; against --nats the replay starts at 0."),
     nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
                                  help="NATS URL of a running system; empty runs one embedded."),
     model: str = typer.Option("llama2-7b", help="Model preset (embedded system)."),
@@ -206,14 +209,21 @@ def replay_cmd(
     """Publish a trace's requests at their sped-up times through the client and report what came back."""
     import asyncio
 
-    from oserve.client import OServeClient
+    from oserve.streams.client import OServeClient
     from oserve.streams.server import NatsServer
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import LiveSystem, connect, planning_inputs, replay
-    from oserve.workload import load_trace
+    from oserve.traces import load_trace
 
+    from oserve.errors import ConfigError
+
+    if not minutes > 0 or not history_minutes > 0:
+        raise ConfigError(f"--minutes and --history-minutes must be > 0, got {minutes} and {history_minutes}")
     tr = load_trace(trace)
-    part = tr.slice_time(float(tr.arrival_s[0]), float(tr.arrival_s[0]) + minutes * 60.0) if len(tr) else tr
+    start = 0.0 if nats_url else history_minutes * 60.0
+    part = tr.slice_time(start, start + minutes * 60.0)
+    if not len(part):
+        raise ConfigError(f"{trace}: no request between minute {start / 60:g} and {start / 60 + minutes:g}")
     subjects = Subjects(prefix)
 
     async def against(url: str) -> dict:
@@ -224,9 +234,10 @@ def replay_cmd(
             await client.close()
 
     async def embedded(url: str) -> dict:
-        config = _system_config(prefix, model, gpus, speedup, span_s, trace, "none", "")
+        config = _system_config(prefix, model, gpus, speedup, span_s, trace, "none", "",
+                                history_minutes=history_minutes)
         nc = await connect(url, "oserve-replay-system")
-        async with LiveSystem(nc, config, planning_inputs(config, tr)) as system:
+        async with LiveSystem(nc, config, planning_inputs(config)) as system:
             await system.wait_serving(60)
             result = await against(url)
         await nc.drain()

@@ -42,7 +42,8 @@ def capacity_table(model_name: str, gpu_name: str, trace: str, gpus_per_node: in
     """The capacity table for a model and GPU, with workload types fitted on a trace (reads the trace)."""
     from oserve.capacity import CapacityTable
     from oserve.specs import gpu_preset, model_preset
-    from oserve.workload import fit_types, load_trace
+    from oserve.workload_types import fit_types
+    from oserve.traces import load_trace
 
     model = model_preset(model_name)
     gpu = gpu_preset(gpu_name)

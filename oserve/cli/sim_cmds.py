@@ -1,4 +1,5 @@
-"""`oserve simulate` and `oserve bench e2e`: every policy on the same workload, side by side."""
+"""`oserve simulate`, `oserve bench e2e`, `bench ceiling` and `bench tune`: every policy on the same
+scenarios, side by side, honestly (`oserve.evaluation`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from oserve.cli import app, bench_app
-
 
 LOAD_HELP = ("Demand of the 90th-percentile minute (compositions: the mean) as a fraction of the best "
              "homogeneous capacity.")
@@ -34,38 +34,47 @@ def _fmt(x: float) -> str:
     return "-" if not math.isfinite(x) else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
 
 
+def _json_safe(value):
+    """JSON has no inf or NaN: they become null."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def _table(comparison, scenario) -> Table:
     res = comparison.results
     ref = res.get("oserve")
-    t = Table(title=f"{scenario.name}: {len(scenario.workload)} requests, {scenario.workload.duration_s / 60:.1f} min, "
-                    f"mix CV {scenario.cv:.2f}")
-    cols = ["policy", "e2e P50", "P90", "P99", "TTFT P99", "TBT P99", "req/s", "sw", "drop", "P99/OServe"]
+    t = Table(title=f"{scenario.name}: {len(scenario.window)} requests, {scenario.window.duration_s / 60:.1f} min "
+                    f"after {scenario.history_s / 60:g} min of history, mix CV {scenario.cv:.2f}")
+    cols = ["policy", "e2e P50", "P90", "P99", "TTFT P99", "TBT P99", "req/s", "sw", "done", "lost", "P99/OServe"]
     for c in cols:
         t.add_column(c, justify="left" if c == "policy" else "right", no_wrap=True)
-    t.caption = "latencies in seconds; sw: deployments used (1 = never switched); P99/OServe > 1: OServe better"
+    t.caption = ("latencies in seconds over admitted requests, unfinished ones counting as infinite ('-'); sw: "
+                 "deployment changes; done / lost: requests finished / not finished; P99/OServe > 1: OServe "
+                 f"better. Lower bound on any P99: {_fmt(comparison.bound_p99_s)} s")
+    from oserve.evaluation.compare import speedup
+
     for name, r in res.items():
         s = r.summary()
-        ratio = s["p99_e2e_s"] / ref.percentile("e2e", 99) if ref is not None else math.nan
+        ratio = speedup(ref, r) if ref is not None and name != "oserve" else math.nan
         t.add_row(name, _fmt(s["p50_e2e_s"]), _fmt(s["p90_e2e_s"]), _fmt(s["p99_e2e_s"]), _fmt(s["p99_ttft_s"]),
-                  _fmt(s["p99_tbt_s"]), f"{s['throughput_rps']:.2f}", str(s["switches"]), str(s["dropped"]),
-                  f"{ratio:.2f}x" if math.isfinite(ratio) else "-")
+                  _fmt(s["p99_tbt_s"]), f"{s['throughput_rps']:.2f}", str(s["switches"]), str(s["finished"]),
+                  str(s["dropped"]), f"{ratio:.2f}x" if math.isfinite(ratio) else "-")
     return t
 
 
-def _forecaster_factory(name: str, k: int):
-    """A factory of fresh forecasters for the simulated policies, by `oserve.forecast` name."""
-    from oserve.forecast.evaluate import make_forecasters
-    from oserve.sim.policies import OnlineForecaster
-
-    make_forecasters(k, [name])  # fail fast on an unknown name
-    return lambda: OnlineForecaster(next(iter(make_forecasters(k, [name]).values())))
-
-
 def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], load: float, minutes: float | None,
-         span_s: float, seed: int, console: Console, forecaster: str = "last_value"):
-    from oserve.errors import ConfigError, UnknownNameError
-    from oserve.sim.cluster import SimConfig
-    from oserve.sim.evaluate import POLICIES, EvalConfig, build_scenario, compare
+         span_s: float, seed: int, console: Console, forecaster: str = "last_value", history_minutes: float = 10.0,
+         bound: bool = True):
+    from oserve.errors import ConfigError
+    from oserve.evaluation.compare import EvalConfig, compare
+    from oserve.evaluation.registry import policy_spec
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.sim.kernel import SimConfig
     from oserve.specs import cluster_for_gpus, model_preset
 
     if not load > 0:
@@ -75,11 +84,12 @@ def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], l
     if not span_s > 0:
         raise ConfigError(f"--span must be > 0 seconds, got {span_s}")
     for name in policies:
-        if name not in POLICIES:
-            raise UnknownNameError("policy", name, POLICIES)
+        policy_spec(name)
     spec = model_preset(model)
     cluster = cluster_for_gpus(gpus)
-    scenario = build_scenario(scenario_name, spec, cluster.gpu, cluster, load=load, minutes=minutes, seed=seed)
+    config = EvalConfig(sim=SimConfig(span_s=span_s), forecaster=forecaster, bound=bound)
+    scenario = build_scenario(scenario_name, spec, cluster, load=load, minutes=minutes, seed=seed,
+                              history_minutes=history_minutes)
     with _progress(console) as bar:
         tasks: dict[str, int] = {}
 
@@ -88,11 +98,14 @@ def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], l
                 tasks[label] = bar.add_task(f"{scenario.name}: {label}", total=1.0)
             bar.update(tasks[label], completed=frac)
 
-        comparison = compare(spec, cluster.gpu, cluster, scenario.workload, scenario.table, policies,
-                             EvalConfig(sim=SimConfig(span_s=span_s)),
-                             forecaster_factory=_forecaster_factory(forecaster, len(scenario.table.type_names)),
-                             progress=progress)
+        comparison = compare(spec, cluster, scenario, policies, config, progress=progress, timer=time.perf_counter)
     return scenario, comparison, cluster
+
+
+def _policies(policy: str) -> tuple[str, ...]:
+    from oserve.evaluation.registry import POLICY_NAMES
+
+    return POLICY_NAMES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
 
 
 @app.command("simulate")
@@ -101,10 +114,13 @@ def simulate_cmd(
                                                  "servegen-m-large / servegen-m-mid."),
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster (whole 8-GPU nodes above 8)."),
-    policy: str = typer.Option("all", help="all, or a comma-separated list of oserve, vllm-static, vllm-reload, "
-                                           "llumnix, oracle."),
+    policy: str = typer.Option("all", help="all, or a comma-separated list of oserve, vllm-static, vllm-static-rr, "
+                                           "vllm-reload, llumnix, dynamo, perfect-forecast."),
     load: float = typer.Option(0.8, help=LOAD_HELP),
-    minutes: float = typer.Option(None, help="Cut a trace to this long (or set a composition's length)."),
+    minutes: float = typer.Option(None, help="Length of the window (default: 20 min per composition, 30 min "
+                                             "per sequence, the rest of a trace after its history)."),
+    history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes before the window that every "
+                                                                          "policy fits its models on."),
     span: float = typer.Option(60.0, help="Re-planning span in seconds."),
     seed: int = typer.Option(0, help="Seed for scaling and sampling the workload."),
     forecaster: str = typer.Option("last_value", help="Forecaster of oserve and vllm-reload: last_value, "
@@ -112,18 +128,18 @@ def simulate_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     out: Path = typer.Option(None, help="Write PNG plots and a JSON summary here."),
 ) -> None:
-    """Simulate every policy on the same workload and compare latency and throughput."""
-    from oserve.sim.evaluate import POLICIES
-
-    policies = POLICIES if policy == "all" else tuple(p.strip() for p in policy.split(",") if p.strip())
+    """Simulate every policy on the same window and compare latency and throughput."""
     console = Console(stderr=True)
     start = time.perf_counter()
-    scenario, comparison, cluster = _run(trace, model, gpus, policies, load, minutes, span, seed, console, forecaster)
+    scenario, comparison, cluster = _run(trace, model, gpus, _policies(policy), load, minutes, span, seed, console,
+                                         forecaster, history_minutes)
     elapsed = time.perf_counter() - start
     summary = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "cv": scenario.cv,
-               "forecaster": forecaster,
-               "requests": len(scenario.workload), "static_shape": comparison.static_shape,
-               "static_tried_p99_s": comparison.static_tried, "seconds": elapsed,
+               "forecaster": forecaster, "history_minutes": history_minutes,
+               "requests": len(scenario.window), "history_requests": len(scenario.history),
+               "static_shape": comparison.static_shape, "static_tried_on_history_p99_s": comparison.static_tried,
+               "prior_class_accuracy": comparison.prior.accuracy, "class_accuracy": comparison.class_accuracy,
+               "bound_p99_s": comparison.bound_p99_s, "seconds": elapsed,
                "policies": {name: r.summary() for name, r in comparison.results.items()}}
     if "oserve" in comparison.results:
         summary["speedup_p99"] = comparison.speedup_p99()
@@ -132,23 +148,26 @@ def simulate_cmd(
 
         out.mkdir(parents=True, exist_ok=True)
         report.latency_cdf(comparison.results, out / "latency_cdf.png", f"{scenario.name}: latency per policy")
-        for name in ("oserve", "oracle", "vllm-reload"):
+        names = comparison.prior.class_names
+        for name in ("oserve", "perfect-forecast", "vllm-reload"):
             if name in comparison.results:
                 r = comparison.results[name]
                 report.deployment_timeline(r.spans, cluster.num_gpus, out / f"deployment_{name}.png",
                                            f"{scenario.name}: {name} deployment over time")
-                report.rates_and_forecast(r.spans, scenario.table.type_names, span, out / f"rates_{name}.png",
-                                          f"{scenario.name}: per-type rates and {name}'s plan")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+                report.rates_and_forecast(r.spans, r.span_counts(span, len(names)), names, span,
+                                          out / f"rates_{name}.png", f"{scenario.name}: per-class rates and "
+                                                                     f"{name}'s plan")
+        (out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
         summary["report"] = str(out)
     if json_out:
-        typer.echo(json.dumps(summary, indent=2))
+        typer.echo(json.dumps(_json_safe(summary), indent=2))
         return
     show = out_console()
     show.print(_table(comparison, scenario))
-    show.print(f"vllm-static chose {comparison.static_shape} (tried: " +
-                    ", ".join(f"{k} P99 {_fmt(v)} s" for k, v in comparison.static_tried.items()) +
-                    f"); simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
+    show.print(f"vllm-static chose {comparison.static_shape} on the history (tried: " +
+               ", ".join(f"{k} P99 {_fmt(v)} s" for k, v in comparison.static_tried.items()) +
+               f"); classes right at arrival: {comparison.class_accuracy.get('oserve', math.nan):.0%}; "
+               f"simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
 
 
 def _rank_correlation(x: list[float], y: list[float]) -> float:
@@ -162,8 +181,12 @@ def _rank_correlation(x: list[float], y: list[float]) -> float:
     return float(rho) if math.isfinite(rho) else math.nan
 
 
-E2E_SCENARIOS = ("S1", "S2", "S3", "S4", "S5", "T1", "T2", "T3", "T4", "azure-conv", "azure-code", "servegen-m-large",
-                 "servegen-m-mid")
+def _mean(values: list[float]) -> tuple[float, float]:
+    """(arithmetic, geometric) mean of the finite positive values. Pure."""
+    vals = [v for v in values if math.isfinite(v) and v > 0]
+    if not vals:
+        return math.nan, math.nan
+    return sum(vals) / len(vals), math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
 @bench_app.command("e2e")
@@ -171,72 +194,95 @@ def bench_e2e(
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster."),
     load: float = typer.Option(0.8, help=LOAD_HELP),
-    scenarios: str = typer.Option(",".join(E2E_SCENARIOS), help="Comma-separated scenario names."),
+    scenario_set: str = typer.Option("test", "--set", help="test (the default: scenarios the thresholds were not "
+                                                         "tuned on), tuning, or all."),
+    scenarios: str = typer.Option(None, help="Comma-separated scenario names instead of a set."),
     extra_32: bool = typer.Option(True, help="Also run azure-conv on 32 GPUs."),
-    minutes: float = typer.Option(None, help="Length of each scenario (default: 20 min per composition, "
-                                             "30 min per sequence, whole traces)."),
+    minutes: float = typer.Option(None, help="Length of each window (default: 20 min per composition, 30 min per "
+                                             "sequence, the rest of a trace after its history)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write e2e.json and speedups.png (bars per scenario, speedup vs mix "
                                         "CV) here."),
 ) -> None:
-    """OServe's P99 against each baseline on the paper's scenarios, the Azure traces and ServeGen."""
-    from oserve.sim.evaluate import POLICIES
+    """OServe's P99 against each baseline on the test scenarios (thresholds tuned on the others)."""
+    from oserve.errors import ConfigError
+    from oserve.evaluation.registry import BASELINES, POLICY_NAMES
+    from oserve.evaluation.tuning import TEST_SET, TUNING_SET
+    from oserve.servegen import resolve_servegen
 
+    sets = {"test": TEST_SET, "tuning": TUNING_SET, "all": TUNING_SET + TEST_SET}
+    if scenarios:
+        names = [n.strip() for n in scenarios.split(",") if n.strip()]
+    elif scenario_set in sets:
+        names = list(sets[scenario_set])
+    else:
+        raise ConfigError(f"--set must be one of {', '.join(sets)}, got {scenario_set!r}")
     console = Console(stderr=True)
-    runs = [(name, gpus) for name in scenarios.split(",") if name]
-    if extra_32:
+    runs = [(name, gpus) for name in names]
+    if extra_32 and "azure-conv" in names:
         runs.append(("azure-conv", 32))
     rows, skipped = [], []
     start = time.perf_counter()
     for name, n_gpus in runs:
         if name.startswith("servegen-"):
-            from oserve.errors import ConfigError
-            from oserve.sim.servegen import resolve_servegen
-
             try:
                 resolve_servegen(name)
             except ConfigError as e:  # the ServeGen traces live in ../shared/data, not in the package
                 skipped.append({"name": name, "reason": str(e)})
                 console.print(f"{name}: skipped ({e})")
                 continue
-        scenario, comparison, _ = _run(name, model, n_gpus, POLICIES, load, minutes, 60.0, 0, console)
+        began = time.perf_counter()
+        scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
         res = comparison.results
-        row = {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.workload),
+        decide = [s["decide_s"] for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
+        row = {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.window),
                "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
                "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
+               "finished": {k: int(r.finished.sum()) for k, r in res.items()},
+               "unfinished": {k: int(r.dropped.sum()) for k, r in res.items()},
+               "refused": int(res["oserve"].refused.sum()),
                "throughput": {k: r.throughput_rps for k, r in res.items()},
-               "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape}
+               "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
+               "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
+               "oserve_decide_s": {"median": float(sorted(decide)[len(decide) // 2]) if decide else math.nan,
+                                   "max": max(decide, default=math.nan), "count": len(decide)},
+               "seconds": time.perf_counter() - began}
         rows.append(row)
-        console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items()))
-    def mean(key: str) -> float:
-        vals = [r["speedup_p99"][key] for r in rows if key in r["speedup_p99"]]
-        return float(sum(vals) / len(vals)) if vals else math.nan
-    result = {"model": model, "load": load, "scenarios": rows, "skipped": skipped,
-              "seconds": time.perf_counter() - start,
-              "mean_speedup_p99": {k: mean(k) for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
+        console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
+                      + f" ({row['seconds']:.0f} s)")
+    compared = (*BASELINES, "perfect-forecast")
+    means = {k: _mean([r["speedup_p99"].get(k, math.nan) for r in rows]) for k in compared}
+    result = {"model": model, "load": load, "set": "custom" if scenarios else scenario_set,
+              "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start,
+              "mean_speedup_p99": {k: v[0] for k, v in means.items()},
+              "geomean_speedup_p99": {k: v[1] for k, v in means.items()},
               "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
-                                  for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")},
+                                  for k in compared},
+              "min_speedup_p99": {k: min((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
+                                  for k in compared},
               "cv_rank_correlation": {k: _rank_correlation([r["cv"] for r in rows],
                                                            [r["speedup_p99"].get(k, math.nan) for r in rows])
-                                      for k in ("vllm-static", "vllm-reload", "llumnix")}}
+                                      for k in BASELINES}}
     if out is not None:
         from oserve.observability import report
 
         out.mkdir(parents=True, exist_ok=True)
-        (out / "e2e.json").write_text(json.dumps(result, indent=2))
+        (out / "e2e.json").write_text(json.dumps(_json_safe(result), indent=2))
         report.speedups(rows, out / "speedups.png", f"{model} at load {load}: OServe's P99 speedup")
         result["report"] = str(out)
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(json.dumps(_json_safe(result), indent=2))
         return
-    t = Table(title="OServe's P99 end-to-end speedup over each policy (>1: OServe better)")
-    for c in ("scenario", "CV", "vllm-static", "vllm-reload", "llumnix", "oracle"):
+    t = Table(title="OServe's P99 end-to-end speedup over each policy (>1: OServe better; perfect-forecast is a "
+                    "reference, its column the gap to it)")
+    for c in ("scenario", "CV", *compared, "bound/OServe"):
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(r["name"], f"{r['cv']:.2f}", *(f"{r['speedup_p99'].get(k, math.nan):.2f}"
-                                                 for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
-    t.add_row("mean", "", *(f"{result['mean_speedup_p99'][k]:.2f}" for k in ("vllm-static", "vllm-reload", "llumnix", "oracle")))
+        gap = r["bound_p99_s"] / r["p99"]["oserve"] if r["p99"]["oserve"] else math.nan
+        t.add_row(r["name"], f"{r['cv']:.2f}", *(_fmt(r["speedup_p99"].get(k, math.nan)) for k in compared), _fmt(gap))
+    t.add_row("mean", "", *(_fmt(result["mean_speedup_p99"][k]) for k in compared), "")
     out_console().print(t)
+    out_console().print(f"{len(rows)} scenarios in {result['seconds'] / 60:.1f} min")
 
 
 @bench_app.command("ceiling")
@@ -245,17 +291,17 @@ def bench_ceiling(
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster."),
     load: float = typer.Option(0.8, help=LOAD_HELP),
-    minutes: float = typer.Option(10.0, help="Length of the workload (every deployment simulates all of it)."),
+    minutes: float = typer.Option(10.0, help="Length of the window (every deployment simulates all of it)."),
     max_replicas: int = typer.Option(4, help="Deployments of at most this many replicas are tried."),
     top: int = typer.Option(10, help="Deployments shown in the table."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write ceiling.json and fixed_deployments.png here."),
 ) -> None:
     """Every fixed deployment of the cluster, simulated with OServe's routing: the best is what choosing
-    one such deployment can reach. Shown beside OServe, vllm-static and the oracle."""
-    from oserve.sim.ceiling import fixed_deployment_outcomes
-
+    one such deployment can reach, with hindsight. Shown beside OServe, vllm-static and the
+    perfect-forecast reference."""
     from oserve.errors import ConfigError
+    from oserve.evaluation.ceiling import fixed_deployment_outcomes
 
     if max_replicas < 1:
         raise ConfigError(f"--max-replicas must be >= 1, got {max_replicas}")
@@ -263,14 +309,14 @@ def bench_ceiling(
         raise ConfigError(f"--top must be >= 1, got {top}")
     console = Console(stderr=True)
     start = time.perf_counter()
-    scenario, comparison, cluster = _run(trace, model, gpus, ("oserve", "vllm-static", "oracle"), load, minutes,
-                                         60.0, 0, console)
+    scenario, comparison, cluster = _run(trace, model, gpus, ("oserve", "vllm-static", "perfect-forecast"), load,
+                                         minutes, 60.0, 0, console, bound=False)
     from oserve.specs import model_preset
 
     spec = model_preset(model)
     with _progress(console) as bar:
         task = bar.add_task(f"{scenario.name}: fixed deployments", total=None)
-        outcomes = fixed_deployment_outcomes(spec, cluster.gpu, cluster, scenario.workload, scenario.table,
+        outcomes = fixed_deployment_outcomes(spec, cluster, scenario.window, comparison.prior,
                                              max_replicas=max_replicas,
                                              progress=lambda done, total: bar.update(task, completed=done,
                                                                                      total=total))
@@ -283,7 +329,7 @@ def bench_ceiling(
         return p99 / best.p99_e2e_s if 0 < best.p99_e2e_s < math.inf else math.nan
 
     result = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "minutes": minutes,
-              "requests": len(scenario.workload), "max_replicas": max_replicas, "deployments": len(rows),
+              "requests": len(scenario.window), "max_replicas": max_replicas, "deployments": len(rows),
               "best": rows[0], "p99": refs, "static_shape": comparison.static_shape,
               "oserve_over_best": over_best(refs["oserve"]), "static_over_best": over_best(refs["vllm-static"]),
               "seconds": time.perf_counter() - start, "outcomes": rows}
@@ -291,14 +337,14 @@ def bench_ceiling(
         from oserve.observability import report
 
         out.mkdir(parents=True, exist_ok=True)
-        (out / "ceiling.json").write_text(json.dumps(result, indent=2))
+        (out / "ceiling.json").write_text(json.dumps(_json_safe(result), indent=2))
         report.fixed_deployments(rows, refs, out / "fixed_deployments.png",
                                  f"{scenario.name} on {gpus} GPUs: every fixed deployment's P99")
         result["report"] = str(out)
     if json_out:
-        typer.echo(json.dumps(result, indent=2))
+        typer.echo(json.dumps(_json_safe(result), indent=2))
         return
-    t = Table(title=f"{scenario.name}, {len(scenario.workload)} requests on {gpus} GPUs: the best of "
+    t = Table(title=f"{scenario.name}, {len(scenario.window)} requests on {gpus} GPUs: the best of "
                     f"{len(rows)} fixed deployments")
     for c in ("deployment", "P99 (s)", "dropped", "P99 / best"):
         t.add_column(c, justify="left" if c == "deployment" else "right")
@@ -310,3 +356,36 @@ def bench_ceiling(
     out_console().print(t)
     out_console().print(f"vllm-static chose {comparison.static_shape}; {time.perf_counter() - start:.1f} s"
                         + (f"; report in {out}" if out else ""))
+
+
+@bench_app.command("tune")
+def bench_tune(
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
+    minutes: float = typer.Option(None, help="Length of each tuning window (default: as in bench e2e)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Tune the planner's thresholds on the tuning scenarios (never the test ones `bench e2e` reports)."""
+    from oserve.evaluation.tuning import GRID, TUNING_SET, tune
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    with _progress(console) as bar:
+        task = bar.add_task("tuning", total=None)
+        result = tune(model_preset(model), cluster_for_gpus(gpus), TUNING_SET, load, minutes,
+                      progress=lambda what: bar.update(task, description=f"tuning: {what}"))
+    summary = {"model": model, "gpus": gpus, "load": load, "scenarios": list(TUNING_SET),
+               "grid": {k: list(v) for k, v in GRID.items()}, "best": result.best, "objective": result.objective,
+               "trials": result.trials, "seconds": time.perf_counter() - start}
+    if json_out:
+        typer.echo(json.dumps(_json_safe(summary), indent=2))
+        return
+    t = Table(title=f"Thresholds tried on {', '.join(TUNING_SET)} (geometric mean P99 speedup over vllm-static)")
+    for c in (*GRID, "objective"):
+        t.add_column(c, justify="right")
+    for trial in sorted(result.trials, key=lambda x: -x["objective"]):
+        t.add_row(*(f"{trial['thresholds'][k]:g}" for k in GRID), f"{trial['objective']:.3f}")
+    out_console().print(t)
+    out_console().print(f"best: {result.best} ({result.objective:.3f}); {summary['seconds'] / 60:.1f} min")

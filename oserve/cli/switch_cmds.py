@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from oserve.cli import bench_app
+from oserve.defaults import ENGINE_START_S
 
 DEFAULT_MODELS = ("llama2-70b", "opt-66b")
 DEFAULT_GPUS = (8, 16, 32)
@@ -26,7 +27,7 @@ def bench_switch(
     executor: bool = typer.Option(True, "--executor/--no-executor",
                                   help="Also execute a real switch over 4 worker processes (gloo)."),
     disk_gbps: float = typer.Option(3.0, help="Reload baseline: GB/s one node reads weights from disk."),
-    engine_start_s: float = typer.Option(15.0, help="Reload baseline: seconds to start an engine."),
+    engine_start_s: float = typer.Option(ENGINE_START_S, help="Seconds to start an engine once its weights are in place."),
     seed: int = typer.Option(0, help="Seed of the executor's random weights and KV."),
 ) -> None:
     """Switching time, greedy (the paper's) vs improved (ours), against the lower bound and a reload from disk.

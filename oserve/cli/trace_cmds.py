@@ -24,7 +24,8 @@ def stats(
 ) -> None:
     """Summarise a trace: lengths, workload types and how their mix changes per span; plot the mix."""
     from oserve.errors import ConfigError
-    from oserve.workload import fit_types, load_trace
+    from oserve.workload_types import fit_types
+    from oserve.traces import load_trace
 
     if not (span > 0 and math.isfinite(span)):
         raise ConfigError(f"--span must be a positive number of seconds; got {span}")
@@ -46,7 +47,7 @@ def trace_summary(trace: Any, types: Any, span_s: float) -> dict[str, Any]:
     """The figures `trace stats` shows, as plain data (counts per span included for the plot). Pure."""
     import numpy as np
 
-    from oserve.workload import mix_cv, mix_cv_noise, span_counts
+    from oserve.workload_types import mix_cv, mix_cv_noise, span_counts
 
     counts = span_counts(trace, types, span_s)
     cv = mix_cv(counts)

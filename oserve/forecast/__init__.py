@@ -7,15 +7,16 @@ metrics load without torch (torch itself imports the standard library's asyncio,
 
 from typing import Any
 
-from oserve.forecast.base import Forecaster, ForecastNotReady, load_forecaster
+from oserve.forecast.base import Forecaster, ForecastNotReady
 from oserve.forecast.baselines import HoltWinters, LastValue, MovingAverage, SeasonalNaive
+from oserve.forecast.registry import load_forecaster, make_forecaster
 from oserve.forecast.metrics import (chronological_split, noise_floor_report, poisson_noise_floor,
                                      rolling_forecast, rrmse, rrmse_report)
 
 _LSTM_NAMES = ("LSTMForecaster", "RetrainJob", "TrainedLSTM")
 
 __all__ = [
-    "Forecaster", "ForecastNotReady", "load_forecaster",
+    "Forecaster", "ForecastNotReady", "load_forecaster", "make_forecaster",
     "LastValue", "MovingAverage", "SeasonalNaive", "HoltWinters",
     *_LSTM_NAMES,
     "rrmse", "rrmse_report", "poisson_noise_floor", "noise_floor_report", "chronological_split",

@@ -120,16 +120,15 @@ class Forecaster(ABC):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Forecaster:
-        """Rebuild a forecaster written by `to_dict` (of this class, or of any kind on the base class)."""
+        """Rebuild a forecaster of this class written by `to_dict` (`oserve.forecast.registry.load_forecaster`
+        reads any kind)."""
         if data.get("format") != FORMAT_VERSION:
             raise ConfigError(f"forecaster file format {data.get('format')!r} is not supported "
                               f"(expected {FORMAT_VERSION})")
         kind = data.get("kind")
-        target = cls if cls.kind else _registry(kind).get(kind)
-        if target is None or target.kind != kind:
-            raise ConfigError(f"forecaster kind {kind!r} cannot be loaded as {cls.__name__}; "
-                              f"known kinds: {', '.join(sorted(_registry()))}")
-        obj = target(**data["params"])
+        if not cls.kind or kind != cls.kind:
+            raise ConfigError(f"forecaster kind {kind!r} cannot be loaded as {cls.__name__}")
+        obj = cls(**data["params"])
         obj._num_spans = int(data["num_spans"])
         obj._last = np.array(data["last"], dtype=np.float64)
         obj.meta = dict(data.get("meta", {}))
@@ -142,12 +141,18 @@ class Forecaster(ABC):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Forecaster:
-        """Read a forecaster written by `save`; `Forecaster.load` reads any kind."""
+        """Read a forecaster of this class written by `save`."""
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"cannot read forecaster file {str(path)!r}: {exc}") from None
         return cls.from_dict(data)
+
+    @classmethod
+    def _unit_test_params(cls) -> list[dict[str, Any]]:
+        """Settings the contract suite (`oserve.forecast.checks`) runs this forecaster with: small ones,
+        so the whole suite stays fast on two cores (River's `_unit_test_params`)."""
+        return [{}]
 
     def clone(self) -> Forecaster:
         """A fresh, unfitted forecaster with the same hyperparameters. Pure."""
@@ -226,29 +231,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"cannot save a non-finite parameter {value!r}")
     return value
-
-
-def _registry(kind: str | None = None) -> dict[str, type[Forecaster]]:
-    """Known forecaster kinds, by `kind`. Imports the baselines, and the LSTM (torch) only when asked for
-    it or when `kind` is not a baseline."""
-    from oserve.forecast import baselines  # noqa: F401  (registers subclasses)
-
-    if kind is None or kind not in _subclasses():
-        from oserve.forecast import lstm  # noqa: F401
-    return _subclasses()
-
-
-def _subclasses() -> dict[str, type[Forecaster]]:
-    out: dict[str, type[Forecaster]] = {}
-    stack = list(Forecaster.__subclasses__())
-    while stack:
-        sub = stack.pop()
-        if sub.kind:
-            out[sub.kind] = sub
-        stack.extend(sub.__subclasses__())
-    return out
-
-
-def load_forecaster(path: str | os.PathLike[str]) -> Forecaster:
-    """Read a forecaster of any kind written by `Forecaster.save`."""
-    return Forecaster.load(path)

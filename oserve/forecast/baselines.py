@@ -58,6 +58,10 @@ class MovingAverage(Forecaster):
     kind = "moving_average"
     _params = ("window_spans",)
 
+    @classmethod
+    def _unit_test_params(cls) -> list[dict[str, Any]]:
+        return [{"window_spans": 5}]
+
     def __init__(self, k: int, seed: int = 0, window_spans: int = 10) -> None:
         super().__init__(k, seed)
         self.window_spans = _check_int("MovingAverage", "window_spans", window_spans, 1)
@@ -89,6 +93,10 @@ class SeasonalNaive(Forecaster):
 
     kind = "seasonal_naive"
     _params = ("season_spans",)
+
+    @classmethod
+    def _unit_test_params(cls) -> list[dict[str, Any]]:
+        return [{"season_spans": 12}]
 
     def __init__(self, k: int, seed: int = 0, season_spans: int = 144) -> None:
         super().__init__(k, seed)
@@ -140,6 +148,10 @@ class HoltWinters(Forecaster):
 
     kind = "holt_winters"
     _params = ("season_spans", "alpha", "beta", "gamma")
+
+    @classmethod
+    def _unit_test_params(cls) -> list[dict[str, Any]]:
+        return [{}, {"season_spans": 12}]
 
     def __init__(self, k: int, seed: int = 0, season_spans: int = 0, alpha: float | None = None,
                  beta: float | None = None, gamma: float | None = None) -> None:

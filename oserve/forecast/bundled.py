@@ -5,6 +5,7 @@ from __future__ import annotations
 from oserve.data import data_path
 from oserve.errors import ConfigError
 from oserve.forecast.base import Forecaster
+from oserve.forecast.registry import load_forecaster
 
 # bundled trace name -> forecaster file in oserve.data; `meta` in the file gives the span and types
 BUNDLED_FORECASTERS: dict[str, str] = {
@@ -21,4 +22,4 @@ def load_bundled_forecaster(trace: str) -> Forecaster:
     """
     if trace not in BUNDLED_FORECASTERS:
         raise ConfigError(f"no bundled forecaster for {trace!r}; bundled: {', '.join(BUNDLED_FORECASTERS)}")
-    return Forecaster.load(data_path(BUNDLED_FORECASTERS[trace]))
+    return load_forecaster(data_path(BUNDLED_FORECASTERS[trace]))

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from oserve.errors import ConfigError
+from oserve.forecast.registry import load_forecaster
 from oserve.forecast.base import Forecaster, ForecastNotReady
 
 Make = Callable[[int], Forecaster]
@@ -124,7 +125,7 @@ def check_save_load_roundtrip(make: Make, tmp: Path) -> None:
     fc.meta = {"trace": "test"}
     path = tmp / f"{fc.kind}.json"
     fc.save(path)
-    back = Forecaster.load(path)
+    back = load_forecaster(path)
     assert type(back) is type(fc) and back.params() == fc.params() and back.meta == fc.meta
     assert np.array_equal(back.forecast(), fc.forecast())
     for row in h[HISTORY_SPANS:]:

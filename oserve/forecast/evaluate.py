@@ -12,43 +12,8 @@ import numpy as np
 
 from oserve.errors import ConfigError
 from oserve.forecast.base import Forecaster
-from oserve.forecast.baselines import HoltWinters, LastValue, MovingAverage, SeasonalNaive
-from oserve.forecast.lstm import LSTMForecaster
 from oserve.forecast.metrics import (RollingResult, chronological_split, noise_floor_report,
                                      rolling_forecast, rrmse_report)
-
-FORECASTER_NAMES: tuple[str, ...] = ("lstm", "last_value", "moving_average", "seasonal_naive", "holt_winters")
-ALIASES: dict[str, str] = {"lv": "last_value", "ma": "moving_average", "sn": "seasonal_naive",
-                           "hw": "holt_winters", "naive": "last_value"}
-
-
-def make_forecasters(k: int, names: tuple[str, ...] | list[str] = FORECASTER_NAMES, *, seed: int = 0,
-                     season_spans: int | None = None, naive_season_spans: int | None = None,
-                     lookback_spans: int = 50, moving_average_spans: int = 10) -> dict[str, Forecaster]:
-    """The named forecasters with the bench's settings. Pure.
-
-    `season_spans`: spans per day where the series has a daily cycle (LSTM time of day, Holt-Winters'
-    season, seasonal naive); `naive_season_spans` overrides the seasonal naive's season (a series with
-    no known season still gets one, so the baseline exists).
-    """
-    out: dict[str, Forecaster] = {}
-    for raw in names:
-        name = ALIASES.get(raw, raw)
-        if name == "lstm":
-            out[name] = LSTMForecaster(k, seed=seed, lookback_spans=lookback_spans, season_spans=season_spans)
-        elif name == "last_value":
-            out[name] = LastValue(k, seed=seed)
-        elif name == "moving_average":
-            out[name] = MovingAverage(k, seed=seed, window_spans=moving_average_spans)
-        elif name == "seasonal_naive":
-            out[name] = SeasonalNaive(k, seed=seed, season_spans=naive_season_spans or season_spans or 1)
-        elif name == "holt_winters":
-            out[name] = HoltWinters(k, seed=seed, season_spans=season_spans or 0)
-        else:
-            raise ConfigError(f"unknown forecaster {raw!r}; known: {', '.join(FORECASTER_NAMES)} "
-                              f"(aliases {', '.join(f'{a}={b}' for a, b in ALIASES.items())})")
-    return out
-
 
 @dataclass(frozen=True, slots=True)
 class ForecasterScore:
@@ -60,7 +25,7 @@ class ForecasterScore:
 
 
 @dataclass(frozen=True, slots=True)
-class Evaluation:
+class ForecastEvaluation:
     series: np.ndarray
     n_train: int
     scores: dict[str, ForecasterScore]
@@ -68,7 +33,7 @@ class Evaluation:
 
 
 def evaluate(series: np.ndarray, forecasters: dict[str, Forecaster], *, train_fraction: float = 0.9,
-             timer: Callable[[], float] | None = None) -> Evaluation:
+             timer: Callable[[], float] | None = None) -> ForecastEvaluation:
     """Fit each forecaster on the first `train_fraction` of the spans, forecast the rest one step at a
     time with the true history, and score them. Mutates the forecasters (they end fitted)."""
     series = np.asarray(series, dtype=np.float64)
@@ -86,7 +51,7 @@ def evaluate(series: np.ndarray, forecasters: dict[str, Forecaster], *, train_fr
             rolling=rolling, report=rrmse_report(rolling.predicted, rolling.actual), train_s=train_s,
             latency_ms_mean=float(lat.mean()) if lat.size else float("nan"),
             latency_ms_p99=float(np.quantile(lat, 0.99)) if lat.size else float("nan"))
-    return Evaluation(series=series, n_train=n_train, scores=scores,
+    return ForecastEvaluation(series=series, n_train=n_train, scores=scores,
                       noise_floor=noise_floor_report(series[n_train:]))
 
 

@@ -194,6 +194,11 @@ class LSTMForecaster(Forecaster):
                "batch_size", "learning_rate", "weight_decay", "validation_fraction", "patience_epochs",
                "min_train_spans", "max_train_spans", "retrain_every_spans", "finetune_epochs")
 
+    @classmethod
+    def _unit_test_params(cls) -> list[dict[str, Any]]:
+        return [{"seed": 3, "lookback_spans": 8, "hidden_size": 8, "epochs": 4, "batch_size": 16},
+                {"lookback_spans": 8, "hidden_size": 8, "epochs": 2, "season_spans": 12}]
+
     def __init__(self, k: int, seed: int = 0, *, lookback_spans: int = 50, hidden_size: int = 32,
                  season_spans: int | None = None, season_offset_spans: int = 0, epochs: int = 60,
                  batch_size: int = 64, learning_rate: float = 3e-3, weight_decay: float = 1e-3,

@@ -11,11 +11,11 @@ import numpy as np
 from oserve.errors import ConfigError, UnknownNameError
 from oserve.scheduler.problem import PlanningProblem
 from oserve.scheduler.search import SEARCHES, SearchConfig, check_search_name, search_problem
-from oserve.sim.workloads import COMPOSITIONS
 from oserve.specs import ClusterSpec, ModelSpec, ReplicaShape, cluster_for_gpus
+from oserve.workload_types import COMPOSITIONS
 
-# The paper's Table 1: share (%) of each type in the five compositions S1-S5 (one table, kept with the
-# simulator's workloads).
+# The paper's Table 1: share (%) of each type in the five compositions S1-S5 (one table, in
+# `oserve.workload_types`).
 PAPER_MIXES: dict[str, dict[str, float]] = COMPOSITIONS
 BENCH_GPU_COUNTS = (8, 16, 32, 64, 128)
 DEFAULT_LOAD = 1.2

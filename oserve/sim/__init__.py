@@ -1,1 +1,2 @@
-"""The simulator: engine replicas with continuous batching, the cluster kernel, policies, workloads."""
+"""The simulator kernel: a discrete-event cluster of simulated engines (`oserve.engine_model`) that
+policies decide for and route through, shown only what a gateway knows (`kernel`)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from oserve.defaults import MIGRATE_MIN_CONTEXT_TOKENS
 from oserve.errors import ConfigError
 from oserve.specs import ClusterSpec, MemoryConfig, ModelSpec, Replica, kv_capacity_tokens, stage_kv_bytes_per_token
 from oserve.switch.intervals import intersection, length
@@ -30,7 +31,7 @@ from oserve.switch.planner import SwitchConfig, SwitchPlan, Transfer, plan_trans
 class KVPolicy:
     """How running requests are handled when their replica changes."""
 
-    migrate_min_context_tokens: int = 1024
+    migrate_min_context_tokens: int = MIGRATE_MIN_CONTEXT_TOKENS
     """Requests with fewer cached tokens drain on the old deployment; the others migrate."""
     headroom_frac: float = 0.25
     """Room reserved on the target beyond a migrated request's context, as a fraction of it."""

@@ -53,6 +53,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment, linprog
 from scipy.sparse import coo_array
 
+from oserve.defaults import ENGINE_START_S
 from oserve.errors import ConfigError, InfeasibleError
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica
 from oserve.switch.intervals import IntervalSet, difference, intersection, length, normalize
@@ -69,8 +70,9 @@ class SwitchConfig:
 
     disk_bytes_per_s: float = 3e9
     """Reload baseline: bytes per second one node reads checkpoint shards from disk into its GPUs."""
-    engine_start_s: float = 15.0
-    """Reload baseline: seconds to start an engine (process, communicators, memory profiling, graphs)."""
+    engine_start_s: float = ENGINE_START_S
+    """Seconds to start an engine once its weights are in place (process, communicators, memory profiling,
+    graphs); a reload pays it after reading from disk, a GPU-to-GPU switch after the copy."""
     local_copy_bytes_per_s: float | None = None
     """HBM-to-HBM copy rate inside one GPU; None: half the GPU's HBM bandwidth (read plus write)."""
     max_transfer_bytes: int = 256 * MiB

@@ -1,41 +1,50 @@
-"""The cluster simulator: a tiny discrete-event kernel over simulated replicas, a router, and policies.
+"""The cluster simulator: a tiny discrete-event kernel over simulated replicas, and the policy interface.
 
-Pure: virtual time only, randomness nowhere (routing is smooth weighted round robin). The kernel pops
-the earliest event — an arrival, a replica's step end, a span boundary, a replica switching in, a
-hand-off — advances time to it and applies it. Policies return decisions as data (`Decision`); the
-kernel applies them:
+Pure: virtual time only, no randomness. The kernel pops the earliest event — an arrival, a replica's
+step end, a span boundary, a replica switching in, a hand-off — advances time to it and applies it.
+Policies decide and route; the kernel applies what they return. It is honest by construction: a
+policy is shown only what a gateway knows at that moment.
 
-- at each span boundary the policy sees the per-type counts observed so far and may return a new
-  deployment with routing weights and a switching time;
-- replicas present in both deployments (same shape on the same GPUs) keep serving untouched;
-- retired replicas stop taking requests; their queued requests are re-routed at once, their running
-  requests drain until the switch completes, and then what is still running moves to the new
-  replicas: requests with at least `migrate_min_context_tokens` of context migrate with their KV
-  cache, shorter ones are recomputed there;
-- new replicas start serving `switch_s` after the boundary (requests routed to them wait in their
-  queue meanwhile);
-- live migration, for a policy with a `migration_interval_s` (and `plan_migrations`): every interval
+- An arrival is shown to the policy as an `ArrivalInfo` (input length, `max_tokens`, the client; never
+  the output length) once, to `classify` it; then `route` picks a replica from their loads
+  (`oserve.routing.ReplicaLoad`: no request, no length). A request whose input plus `max_tokens` (1 when
+  none is given) exceeds the model's context window is refused there, as vLLM refuses it; one without
+  `max_tokens` stops at the context window.
+- At each span boundary the policy gets a `SpanView`: the time, the decision in force and the requests
+  completed since the previous boundary (`CompletionInfo`, true lengths, as the engines report them).
+  Nothing about the future: no counts, no arrivals, no trace length.
+- A decision's deployment is applied at once: replicas present in both deployments (same shape on the
+  same GPUs) keep serving untouched; retired replicas stop taking requests, their queued requests are
+  re-routed, their running requests drain until the switch completes, and then what still runs moves
+  to the new replicas: requests with at least `migrate_min_context_tokens` of context migrate with
+  their KV cache, shorter ones are recomputed there; new replicas start serving `switch_s` after the
+  boundary (requests routed to them wait in their queue meanwhile).
+- Live migration, for a policy with a `migration_interval_s` (and `plan_migrations`): every interval
   the policy names running requests to move (`Migration`s). Each keeps decoding on its source for the
   move's `precopy_s` (the KV copied while it runs), leaves the source at the next step boundary, and
   after `downtime_s` (the last copy stage) is queued first on the destination with its KV, so it
-  resumes without a recompute. Policies without the attribute get no such events.
+  resumes without a recompute. Such a policy is a balancer inside the engines (Llumnix's llumlets):
+  it sees the replicas' running requests and their contexts, still not their output lengths.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from oserve.decision import Decision
+from oserve.defaults import MIGRATE_MIN_CONTEXT_TOKENS, SPAN_S
+from oserve.engine_model import SimReplica, SimRequest, TokenHistogram
 from oserve.errors import ConfigError
 from oserve.perfmodel import PerfModel
-from oserve.sim.engine import SimReplica, SimRequest, TokenHistogram
-from oserve.specs import (ClusterSpec, Deployment, EngineConfig, GPUSpec, MemoryConfig, ModelSpec, Replica,
-                          kv_capacity_tokens)
+from oserve.routing import ReplicaLoad
+from oserve.specs import ClusterSpec, EngineConfig, GPUSpec, MemoryConfig, ModelSpec, Replica, kv_capacity_tokens
+from oserve.traces import Trace
 
 ARRIVAL, STEP_END, SPAN, ACTIVATE, HANDOFF, MIGRATE, MIGRATE_OUT, MIGRATE_IN = 0, 1, 2, 3, 4, 5, 6, 7
 # Same-time order: a step ending frees room before a span boundary re-plans, which goes before arrivals;
@@ -47,11 +56,11 @@ _PRIORITY = {STEP_END: 0, HANDOFF: 1, ACTIVATE: 2, SPAN: 3, ARRIVAL: 4, MIGRATE_
 class SimConfig:
     """How the simulated cluster behaves."""
 
-    span_s: float = 60.0
+    span_s: float = SPAN_S
     """Re-planning period."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    migrate_min_context_tokens: int = 512
+    migrate_min_context_tokens: int = MIGRATE_MIN_CONTEXT_TOKENS
     """On a switch, running requests with at least this context migrate with their KV; shorter ones drain
     on the old replica and, if still running when the switch completes, are recomputed elsewhere."""
     horizon_after_last_arrival_s: float = 3600.0
@@ -62,23 +71,6 @@ class SimConfig:
             raise ConfigError(f"SimConfig: span_s must be positive, got {self.span_s}")
         if self.migrate_min_context_tokens < 0:
             raise ConfigError("SimConfig: migrate_min_context_tokens must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """A policy's answer at a span boundary: the deployment and how to route each type over it."""
-
-    deployment: Deployment
-    weights: tuple[tuple[float, ...], ...]
-    """weights[j][k]: share of type j's requests for replica k of `deployment` (any scale, >= 0)."""
-    switch_s: float = 0.0
-    """Seconds until replicas new in this deployment start serving."""
-    forecast_rps: tuple[float, ...] = ()
-    """The per-type rates the decision was planned for (reported, not used by the kernel)."""
-    label: str = ""
-    drain_retired: bool = False
-    """Retired replicas finish everything they run instead of handing it off when the switch completes
-    (free switching, as the oracle assumes: no request is disturbed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,111 +94,188 @@ class Migration:
             raise ConfigError(f"Migration: negative time or blocks in {self}")
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class ArrivalInfo:
+    """What a gateway knows of a request when it arrives: never its output length."""
+
+    request_index: int
+    """Its index in the trace (its id in this run)."""
+    arrival_s: float
+    input_tokens: int
+    max_tokens: int
+    """The client's cap on the answer's length; 0 when none was given."""
+    client_id: int
+    """Who sent it (an application, an API customer); -1 when unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionInfo:
+    """A finished request, as its engine reports it: now its output length is known."""
+
+    request_index: int
+    arrival_s: float
+    finish_s: float
+    input_tokens: int
+    output_tokens: int
+    max_tokens: int
+    client_id: int
+    routed_class: int
+    """The class the policy gave it at arrival."""
+
+
+@dataclass(frozen=True, slots=True)
 class SpanView:
-    """What a policy may look at when a span starts."""
+    """What a policy may look at when a span starts: the past only."""
 
     span_index: int
     now_s: float
     span_s: float
-    observed_counts: np.ndarray
-    """(spans so far, k) per-type arrivals of the spans that have ended."""
-    true_next_counts: np.ndarray | None
-    """The coming span's true per-type counts; only for oracle policies."""
     current: Decision | None
-    last_arrivals: tuple[np.ndarray, np.ndarray] | None = None
-    """(offsets in seconds from the span's start, type index) of every request of the span that just
-    ended: what a gateway saw arrive (not their output lengths)."""
-    true_next_arrivals: tuple[np.ndarray, np.ndarray] | None = None
-    """The same for the coming span; only for oracle policies."""
+    """The decision in force (None before the first)."""
+    completed: tuple[CompletionInfo, ...] = ()
+    """Requests finished since the previous span boundary, in finish order."""
 
 
 class Policy(Protocol):
+    """A serving policy: what the gateway and the planner do, as the simulator drives them."""
+
     name: str
 
     def decide(self, view: SpanView) -> Decision | None:
-        """Return a new decision, or None to keep the current one."""
+        """At a span boundary: a new decision, or None to keep the current one."""
 
-    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
-        """Pick a replica index for a request, or None to use the decision's weights."""
+    def classify(self, arrival: ArrivalInfo) -> int:
+        """The workload class of a request at its arrival (called once per request, in arrival order)."""
+
+    def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
+        """Index of the replica (of the decision in force) that takes a request of this class, or None
+        to hold it until the next decision."""
 
     # Optional, for live migration (the kernel checks with getattr):
     # migration_interval_s: float | None — seconds between two `plan_migrations` calls; None: never.
     # def plan_migrations(self, replicas: list[SimReplica], now_s: float) -> list[Migration]: ...
 
 
-class SmoothRouter:
-    """Smooth weighted round robin per type (nginx's): deterministic, proportional to weights."""
+class _LoadView:
+    """A replica's load as a router sees it (`oserve.routing.ReplicaLoad`), read live; not its requests."""
 
-    def __init__(self, weights: tuple[tuple[float, ...], ...], fallback: list[float]) -> None:
-        self.weights = [np.asarray(w, dtype=float) for w in weights]
-        self.fallback = np.asarray(fallback, dtype=float)
-        self.current = [np.zeros(len(fallback)) for _ in weights]
+    __slots__ = ("_rep",)
 
-    def pick(self, j: int, accepting: np.ndarray) -> int | None:
-        w = self.weights[j] if j < len(self.weights) else self.fallback
-        w = np.where(accepting, w, 0.0)
-        if w.sum() <= 0:
-            w = np.where(accepting, self.fallback, 0.0)
-            if w.sum() <= 0:
-                return None
-        cur = self.current[j] if j < len(self.current) else np.zeros(len(w))
-        cur += w
-        k = int(np.argmax(cur))
-        cur[k] -= w.sum()
-        return k
+    def __init__(self, rep: SimReplica) -> None:
+        self._rep = rep
+
+    @property
+    def accepting(self) -> bool:
+        return self._rep.accepting
+
+    @property
+    def kv_load_frac(self) -> float:
+        return self._rep.kv_load_frac()
+
+    @property
+    def num_requests(self) -> int:
+        return self._rep.num_requests
+
+    @property
+    def num_running(self) -> int:
+        return self._rep.num_running
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self._rep.total_blocks * self._rep.block_tokens
+
+    @property
+    def incoming_kv_tokens(self) -> int:
+        return self._rep.incoming_kv_blocks * self._rep.block_tokens
 
 
 @dataclass
 class SimResult:
-    """Everything a run produced, per request and over time."""
+    """Everything a run produced, per request (in arrival order) and over time."""
 
     policy: str
     arrival_s: np.ndarray
-    type_index: np.ndarray
+    routed_class: np.ndarray
+    """The class the policy gave each request at arrival; -1 for a request refused at the gateway."""
     ttft_s: np.ndarray
+    """Seconds to the first token; inf for a request that never got one."""
     e2e_s: np.ndarray
+    """Seconds to the last token; inf for a request that never finished."""
     finish_s: np.ndarray
+    refused: np.ndarray
+    """Bool per request: refused at the gateway (its input plus max tokens exceed the context window),
+    as vLLM refuses it; every policy refuses the same ones."""
     dropped: np.ndarray
-    """Bool per request: never finished (rejected, or past the horizon)."""
+    """Bool per admitted request: never finished (no replica's KV cache can hold it, or past the horizon)."""
     num_preemptions: int
     num_migrations: int
     tbt: TokenHistogram
+    input_tokens: np.ndarray
     output_tokens: np.ndarray
+    """Tokens each request is to generate (its true length, capped by max tokens and the context window)."""
+    generated_tokens: np.ndarray
+    """Tokens each request did generate (all of `output_tokens` when it finished)."""
     spans: list[dict]
-    """One dict per span: start_s, deployment (list of (replica_id, str(shape), gpu_ids)), forecast_rps,
-    counts, switched, switch_s."""
+    """One dict per span: start_s, span_index, deployment (list of (replica_id, str(shape), gpu_ids)),
+    forecast_rps, switched, switch_s, label, decide_s (the policy's wall seconds to decide: set by the
+    caller's timer, NaN without one)."""
     num_events: int = 0
     drop_reasons: dict[str, int] = field(default_factory=dict)
-    """Why requests were dropped: 'rejected' (the prompt fits no replica's KV cache), 'horizon'
-    (unfinished `horizon_after_last_arrival_s` after the last arrival)."""
+    """Why requests did not finish: 'refused_context' (refused at the gateway), 'rejected_kv' (the
+    request fits no KV cache of the replica it went to), 'horizon' (unfinished
+    `horizon_after_last_arrival_s` after the last arrival)."""
+
+    @property
+    def admitted(self) -> np.ndarray:
+        return ~self.refused
+
+    @property
+    def finished(self) -> np.ndarray:
+        return ~self.refused & ~self.dropped
+
+    def span_counts(self, span_s: float, num_classes: int) -> np.ndarray:
+        """(spans, classes) admitted arrivals per span (from the first arrival) and class given at arrival. Pure."""
+        sel = self.admitted
+        t = self.arrival_s[sel] - float(self.arrival_s.min())
+        num_spans = int(t.max() // span_s) + 1 if len(t) else 0
+        flat = np.bincount((t // span_s).astype(np.int64) * num_classes + self.routed_class[sel],
+                           minlength=num_spans * num_classes)
+        return flat.reshape(num_spans, num_classes)
 
     def percentile(self, what: str, q: float) -> float:
+        """Percentile `q` of e2e, ttft or tbt (seconds). Over the admitted requests, an unfinished one
+        counting as infinitely late: a policy that serves fewer requests is never faster by it."""
         if what == "tbt":
             return self.tbt.quantile(q / 100.0)
-        values = {"e2e": self.e2e_s, "ttft": self.ttft_s}[what][~self.dropped]
-        return float(np.percentile(values, q)) if len(values) else math.nan
+        values = {"e2e": self.e2e_s, "ttft": self.ttft_s}[what][self.admitted]
+        if not len(values):
+            return math.nan
+        return float(np.percentile(values, q, method="linear")) if np.isfinite(values).all() else \
+            float(np.quantile(np.where(np.isfinite(values), values, np.inf), q / 100.0, method="higher"))
 
     @property
     def duration_s(self) -> float:
-        done = self.finish_s[~self.dropped]
+        done = self.finish_s[self.finished]
         end = float(done.max()) if len(done) else float(self.arrival_s.max())
         return max(end - float(self.arrival_s.min()), 1e-9)
 
     @property
     def throughput_rps(self) -> float:
         """Finished requests per second, from the first arrival to the last finish."""
-        return float((~self.dropped).sum()) / self.duration_s
+        return float(self.finished.sum()) / self.duration_s
 
     @property
     def token_throughput(self) -> float:
-        return float(self.output_tokens[~self.dropped].sum()) / self.duration_s
+        return float(self.output_tokens[self.finished].sum()) / self.duration_s
 
     def summary(self) -> dict:
+        decide = np.array([s.get("decide_s", math.nan) for s in self.spans], dtype=float)
+        decide = decide[np.isfinite(decide)]
         return {
             "policy": self.policy,
             "requests": int(len(self.arrival_s)),
-            "finished": int((~self.dropped).sum()),
+            "refused": int(self.refused.sum()),
+            "finished": int(self.finished.sum()),
             "dropped": int(self.dropped.sum()),
             "drop_reasons": dict(self.drop_reasons),
             "p50_e2e_s": self.percentile("e2e", 50), "p90_e2e_s": self.percentile("e2e", 90),
@@ -217,58 +286,62 @@ class SimResult:
             "p99_tbt_s": self.percentile("tbt", 99),
             "throughput_rps": self.throughput_rps, "token_throughput": self.token_throughput,
             "preemptions": self.num_preemptions, "migrations": self.num_migrations,
-            "switches": sum(1 for s in self.spans if s["switched"]),
+            "switches": sum(1 for s in self.spans[1:] if s["switched"]),
+            "decide_s_median": float(np.median(decide)) if len(decide) else math.nan,
+            "decide_s_max": float(decide.max()) if len(decide) else math.nan,
         }
 
 
-def simulate(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, arrival_s: np.ndarray, input_tokens: np.ndarray,
-             output_tokens: np.ndarray, type_index: np.ndarray, num_types: int, policy: Policy,
+def simulate(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, trace: Trace, policy: Policy,
              config: SimConfig = SimConfig(), perf: PerfModel | None = None,
-             progress: Callable[[float], None] | None = None) -> SimResult:
-    """Run `policy` over a trace on the simulated cluster. Pure and deterministic.
+             progress: Callable[[float], None] | None = None,
+             timer: Callable[[], float] | None = None) -> SimResult:
+    """Run `policy` over a trace on the simulated cluster. Pure and deterministic (given `timer`'s use:
+    it only measures how long each decision took, e.g. `time.perf_counter`).
 
-    `type_index` is the type the router sees for each request. `progress`, when given, is called with
-    the fraction of arrivals processed, now and then.
+    `progress`, when given, is called with the fraction of arrivals processed, now and then.
     """
-    kernel = _Kernel(model, gpu, cluster, np.asarray(arrival_s, dtype=float), np.asarray(input_tokens),
-                     np.asarray(output_tokens), np.asarray(type_index), num_types, policy, config,
-                     perf or PerfModel(model, gpu, gpus_per_node=cluster.gpus_per_node))
+    kernel = _Kernel(model, gpu, cluster, trace, policy, config,
+                     perf or PerfModel(model, gpu, gpus_per_node=cluster.gpus_per_node), timer)
     return kernel.run(progress)
 
 
 class _Kernel:
     """State of one simulation run; `simulate` is its only user."""
 
-    def __init__(self, model, gpu, cluster, arrival_s, input_tokens, output_tokens, type_index, num_types,
-                 policy, config: SimConfig, perf: PerfModel) -> None:
-        if len(arrival_s) == 0:
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, trace: Trace, policy: Policy,
+                 config: SimConfig, perf: PerfModel, timer: Callable[[], float] | None) -> None:
+        if len(trace) == 0:
             raise ConfigError("simulate: the trace has no requests")
-        order = np.argsort(arrival_s, kind="stable")
-        self.arrival_s = arrival_s[order]
-        self.output_tokens = output_tokens[order]
-        self.type_index = type_index[order]
+        self.trace = trace
+        self.arrival_s = trace.arrival_s
         self.model, self.gpu, self.cluster, self.policy, self.config, self.perf = model, gpu, cluster, policy, config, perf
-        n = len(self.arrival_s)
+        self.timer = timer
         self.t0 = float(self.arrival_s[0])
-        self.num_spans = max(1, int(math.ceil((self.arrival_s[-1] - self.t0 + 1e-9) / config.span_s)))
-        span_of = np.minimum(((self.arrival_s - self.t0) // config.span_s).astype(int), self.num_spans - 1)
-        self.true_counts = np.zeros((self.num_spans, num_types), dtype=np.int64)
-        np.add.at(self.true_counts, (span_of, self.type_index), 1)
-        self.horizon = float(self.arrival_s[-1]) + config.horizon_after_last_arrival_s
-        inp = input_tokens[order]
-        self.reqs = [SimRequest(i, int(self.type_index[i]), float(self.arrival_s[i]), int(inp[i]),
-                                int(self.output_tokens[i])) for i in range(n)]
+        self.last_arrival_s = float(self.arrival_s[-1])
+        self.horizon = self.last_arrival_s + config.horizon_after_last_arrival_s
+        # the context window, as vLLM enforces it: input plus max tokens (1 when none is given) must fit;
+        # an answer without max tokens stops at the window
+        context = model.max_context_tokens
+        inp, cap = trace.input_tokens, trace.max_tokens
+        self.refused = inp + np.maximum(cap, 1) > context
+        limit = np.where(cap > 0, np.minimum(cap, context - inp), context - inp)
+        self.output_tokens = np.where(self.refused, trace.output_tokens,
+                                      np.maximum(np.minimum(trace.output_tokens, limit), 1))
+        self.reqs = [SimRequest(i, -1, float(t), int(a), int(b))
+                     for i, (t, a, b) in enumerate(zip(self.arrival_s.tolist(), inp.tolist(),
+                                                       self.output_tokens.tolist()))]
+        self.completed: list[CompletionInfo] = []  # since the last span boundary
         self.tbt = TokenHistogram()
         self.heap: list = []
         self.seq = 0
         self.replicas: list[SimReplica] = []
-        self.router: SmoothRouter | None = None
+        self.loads: list[_LoadView] = []
         self.decision: Decision | None = None
         self.pending: list[SimRequest] = []
         self.spans: list[dict] = []
         self.num_migrations = 0
         self.handoff_due: set[int] = set()
-        self._span_bounds: np.ndarray | None = None
         self.all_replicas: list[SimReplica] = []  # id() of retired replicas to empty at their next step end
         interval = getattr(policy, "migration_interval_s", None)
         if interval is not None and not interval > 0:
@@ -292,16 +365,31 @@ class _Kernel:
         self.all_replicas.append(rep)
         return rep
 
+    def arrive(self, req: SimRequest, now: float) -> None:
+        """A request reaches the gateway: refused, or classified once and dispatched."""
+        i = req.request_id
+        if self.refused[i]:
+            return
+        trace = self.trace
+        req.type_index = int(self.policy.classify(ArrivalInfo(i, now, req.input_tokens, int(trace.max_tokens[i]),
+                                                              int(trace.client_ids[i]))))
+        self.dispatch(req, now)
+
     def dispatch(self, req: SimRequest, now: float) -> None:
-        k = self.policy.route(req, self.replicas)
-        if k is None or not self.replicas[k].accepting:
-            accepting = np.array([r.accepting for r in self.replicas], dtype=bool)
-            k = self.router.pick(req.type_index, accepting) if (self.router is not None and len(accepting)) else None
-        if k is None:
-            self.pending.append(req)  # no replica at all: wait for the next decision
+        k = self.policy.route(req.type_index, self.loads) if self.replicas else None
+        if k is None or not 0 <= k < len(self.replicas) or not self.replicas[k].accepting:
+            self.pending.append(req)  # no replica takes it: it waits for the next decision
             return
         rep = self.replicas[k]
         self.schedule(rep, rep.enqueue(req, now))
+
+    def finish(self, finished: tuple[SimRequest, ...] | list[SimRequest]) -> None:
+        """Record what a step finished, for the policy's next view."""
+        trace = self.trace
+        for r in finished:
+            i = r.request_id
+            self.completed.append(CompletionInfo(i, r.arrival_s, r.finish_s, r.input_tokens, r.output_tokens,
+                                                 int(trace.max_tokens[i]), int(trace.client_ids[i]), r.type_index))
 
     def apply(self, new: Decision, now: float) -> bool:
         """Move to a new decision; True when any replica changed."""
@@ -318,8 +406,8 @@ class _Kernel:
         leaving = list(old_by_key.values())
         switched = len(leaving) > 0 or len(new_reps) != len(self.replicas) or self.decision is None
         self.replicas = new_reps
+        self.loads = [_LoadView(r) for r in new_reps]
         self.decision = new
-        self.router = SmoothRouter(new.weights, [1.0] * len(new_reps))
         for rep in leaving:
             rep.accepting = False
             for req in rep.take_waiting():
@@ -414,32 +502,23 @@ class _Kernel:
         else:
             self.dispatch(m.request, now)  # the destination retired meanwhile: any current replica, KV kept
 
-    def span_arrivals(self, i: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(offsets from the span's start, types) of span i's arrivals; None outside the trace."""
-        if not 0 <= i < self.num_spans:
-            return None
-        if self._span_bounds is None:
-            edges = self.t0 + np.arange(self.num_spans + 1) * self.config.span_s
-            edges[-1] = np.inf
-            self._span_bounds = np.searchsorted(self.arrival_s, edges, side="left")
-        lo, hi = int(self._span_bounds[i]), int(self._span_bounds[i + 1])
-        return self.arrival_s[lo:hi] - (self.t0 + i * self.config.span_s), self.type_index[lo:hi]
-
     def on_span(self, i: int, now: float) -> None:
-        span_s = self.config.span_s
-        view = SpanView(i, now, span_s, self.true_counts[:i], self.true_counts[i] if i < self.num_spans else None,
-                        self.decision, self.span_arrivals(i - 1), self.span_arrivals(i))
+        view = SpanView(i, now, self.config.span_s, self.decision, tuple(self.completed))
+        self.completed = []
+        start = self.timer() if self.timer is not None else math.nan
         new = self.policy.decide(view)
+        decide_s = self.timer() - start if self.timer is not None else math.nan
         switched = self.apply(new, now) if new is not None else False
         d = self.decision
         self.spans.append({
             "start_s": now - self.t0, "span_index": i,
             "deployment": [(r.replica_id, str(r.shape), list(r.gpu_ids)) for r in self.replicas],
-            "forecast_rps": list(d.forecast_rps) if d else [], "counts": self.true_counts[i].tolist(),
+            "forecast_rps": list(d.forecast_rps) if d else [],
             "switched": switched, "switch_s": d.switch_s if (d and switched and i > 0) else 0.0,
-            "label": d.label if d else ""})
-        if i + 1 < self.num_spans:
-            self.push(self.t0 + (i + 1) * span_s, SPAN, i + 1)
+            "label": d.label if d else "", "decide_s": decide_s})
+        # spans run while requests arrive; the last boundary is at or before the last arrival
+        if now + self.config.span_s <= self.last_arrival_s:
+            self.push(now + self.config.span_s, SPAN, i + 1)
 
     def run(self, progress: Callable[[float], None] | None) -> SimResult:
         n = len(self.reqs)
@@ -459,7 +538,7 @@ class _Kernel:
                 req = self.reqs[next_arrival]
                 next_arrival += 1
                 num_events += 1
-                self.dispatch(req, now)
+                self.arrive(req, now)
                 if progress is not None and next_arrival % report_every == 0:
                     progress(next_arrival / n)
                 continue
@@ -472,17 +551,19 @@ class _Kernel:
                 if token != rep.step_token or not rep.busy:
                     continue
                 if id(rep) in self.handoff_due:
-                    rep.on_step_end(now, start_next=False)  # finish the step in progress, then empty it
+                    self.finish(rep.on_step_end(now, start_next=False).finished)  # finish the step, then empty it
                     for m in self.leaving.pop(id(rep), ()):
                         self.cancel_migration(m)
                     self.hand_off(rep, now)
                     continue
                 if self.leaving and id(rep) in self.leaving:
-                    rep.on_step_end(now, start_next=False)
+                    self.finish(rep.on_step_end(now, start_next=False).finished)
                     self.detach(rep, self.leaving.pop(id(rep)), now)
                     self.schedule(rep, rep.wake(now))
                     continue
                 out = rep.on_step_end(now)
+                if out.finished:
+                    self.finish(out.finished)
                 self.schedule(rep, out.next_end_s)
             elif kind == SPAN:
                 self.on_span(payload, now)
@@ -509,10 +590,15 @@ class _Kernel:
         reqs = self.reqs
         finish = np.array([r.finish_s for r in reqs])
         first = np.array([r.first_token_s for r in reqs])
-        dropped = ~np.isfinite(finish)
+        refused = self.refused
+        dropped = ~np.isfinite(finish) & ~refused
         rejected = sum(len(r.rejected) for r in self.all_replicas)
-        reasons = {"rejected": rejected, "horizon": int(dropped.sum()) - rejected}
-        return SimResult(self.policy.name, self.arrival_s.copy(), self.type_index.copy(), first - self.arrival_s,
-                         finish - self.arrival_s, finish, dropped, sum(r.num_preemptions for r in reqs),
-                         self.num_migrations, self.tbt, self.output_tokens.copy(), self.spans, num_events,
+        reasons = {"refused_context": int(refused.sum()), "rejected_kv": rejected,
+                   "horizon": int(dropped.sum()) - rejected}
+        e2e = np.where(np.isfinite(finish), finish - self.arrival_s, np.inf)
+        ttft = np.where(np.isfinite(first), first - self.arrival_s, np.inf)
+        return SimResult(self.policy.name, self.arrival_s.copy(), np.array([r.type_index for r in reqs]), ttft, e2e,
+                         finish, refused.copy(), dropped, sum(r.num_preemptions for r in reqs), self.num_migrations,
+                         self.tbt, self.trace.input_tokens.copy(), self.output_tokens.copy(),
+                         np.array([r.generated for r in reqs]), self.spans, num_events,
                          {k: v for k, v in reasons.items() if v})

@@ -1,39 +1,61 @@
-"""A digital twin for plan selection: score candidate deployments by simulating the forecast span. Pure.
+"""A digital twin for plan selection: score a deployment by simulating the forecast span. Pure.
 
 The capacity table rates every shape by throughput at a TBT target; for Llama-2-70B the best few
 deployments lie within a few percent of each other there, yet their tail latencies differ by tens of
 percent (how many replicas pool the bursts, how fast each decodes a long answer). The planner cannot
 tell them apart from the table, so it asks the simulator: each candidate serves a synthetic span made
-only of what the planner knows — the arrival times and types the gateway saw in the last span (at the
-forecast's counts; Poisson arrivals when there is no such span), each type's lengths drawn from its
-fitted length samples — with the same routing OServe uses, and the candidate with the shortest tail
-wins: the mean end-to-end latency of the slowest 2% of the requests arriving after a warm-up (the
-P99 region, steadier than one order statistic of one span).
+only of what the planner knows — the arrival times and classes the gateway saw in the last span (at
+the forecast's counts; Poisson arrivals when there is no such span), each class's lengths drawn from
+the length samples the planner was given (what requests of that class turned out to be, measured on
+completions before the window served) — with the routing rule every plan is served with
+(`oserve.routing.least_loaded`), and the candidate with the shortest tail wins: the mean end-to-end
+latency of the slowest 2% of the requests arriving after a warm-up (the P99 region, steadier than one
+order statistic of one span).
 
-What the twin knows that a deployment would have to learn: the length samples come from the workload
-types, which the evaluation fits on the whole trace it then serves (as the capacity table does), and
-it runs the same performance model as the simulated cluster, so it is a perfectly calibrated engine
-model. On real GPUs both would come from profiling and the completed requests of earlier hours. As
-the paper profiles the real engine once, OServe here consults its calibrated engine model online.
+It runs the same performance model as the simulated cluster, so in the simulator it is a perfectly
+calibrated engine model; on real GPUs it would be calibrated by profiling (the paper profiles once).
 
 Deterministic: the synthetic span is drawn from a fixed seed, and every candidate sees the same one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from oserve.capacity import LengthMix
+from oserve.decision import Decision
+from oserve.defaults import SPAN_S
 from oserve.errors import ConfigError
 from oserve.perfmodel import PerfModel
-from oserve.sim.cluster import Decision, SimConfig, SpanView, simulate
-from oserve.sim.engine import SimReplica, SimRequest
-from oserve.specs import ClusterSpec, Deployment, GPUSpec, ModelSpec, ReplicaShape
+from oserve.routing import ReplicaLoad, least_loaded
+from oserve.sim.kernel import ArrivalInfo, SimConfig, SpanView, simulate
+from oserve.specs import ClusterSpec, Deployment, GPUSpec, ModelSpec
+from oserve.traces import Trace
 
-Route = Callable[[list[SimReplica], tuple[float, ...] | None], int | None]
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArrivalPattern:
+    """What the gateway saw arrive in one span: each request's offset from the span's start and its class."""
+
+    offsets_s: np.ndarray
+    classes: np.ndarray
+    span_s: float = SPAN_S
+
+    def __post_init__(self) -> None:
+        offsets = np.asarray(self.offsets_s, dtype=np.float64)
+        classes = np.asarray(self.classes, dtype=np.int64)
+        if offsets.shape != classes.shape or offsets.ndim != 1:
+            raise ConfigError("ArrivalPattern: offsets_s and classes must be 1-D of equal length")
+        if not self.span_s > 0:
+            raise ConfigError(f"ArrivalPattern: span_s must be positive, got {self.span_s}")
+        object.__setattr__(self, "offsets_s", offsets)
+        object.__setattr__(self, "classes", classes)
+
+    def __len__(self) -> int:
+        return len(self.offsets_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,21 +87,23 @@ class TwinConfig:
 
 
 class FixedPolicy:
-    """A policy that serves one deployment for the whole run: fixed weights give each type its
-    replicas, and `route` picks among them (the twin and `oserve.sim.ceiling` pass OServe's)."""
+    """A policy that serves one deployment for a whole run, each request of a known class routed by the
+    routing rule among the replicas the weights give its class (the twin and the ceiling use it)."""
 
-    def __init__(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], route: Route,
+    def __init__(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], classes: np.ndarray,
                  name: str = "twin") -> None:
         self.name = name
         self.decision = Decision(deployment, weights, 0.0, (), name)
-        self._route = route
+        self._classes = np.asarray(classes, dtype=np.int64)
 
     def decide(self, view: SpanView) -> Decision | None:
         return self.decision if view.current is None else None
 
-    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
-        w = self.decision.weights
-        return self._route(replicas, w[req.type_index] if req.type_index < len(w) else None)
+    def classify(self, arrival: ArrivalInfo) -> int:
+        return int(self._classes[arrival.request_index])
+
+    def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
+        return least_loaded(loads, self.decision.eligible(class_index))
 
 
 class DigitalTwin:
@@ -91,12 +115,11 @@ class DigitalTwin:
         self.perf = perf or PerfModel(model, gpu, gpus_per_node=cluster.gpus_per_node)
         self._lengths = [types.type_lengths(j) for j in range(len(types.names))]
 
-    def workload(self, rates: np.ndarray, pattern: tuple[np.ndarray, np.ndarray] | None = None,
-                 span_s: float = 60.0,
-                 long: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
-        """(arrival_s, input, output, type, warm-up seconds) of the synthetic span for per-type `rates`.
+    def workload(self, rates: np.ndarray, pattern: ArrivalPattern | None = None,
+                 long: bool = False) -> tuple[Trace, np.ndarray, float]:
+        """(trace, class of each request, warm-up seconds) of the synthetic span for per-class `rates`.
 
-        With `pattern` (the last span's arrival offsets and types), each type keeps its observed
+        With `pattern` (the last span's arrival offsets and classes), each class keeps its observed
         arrival times (resampled with replacement to the forecast's count when that differs), so the
         burstiness the gateway saw is replayed; the span is played twice and the first copy warms the
         replicas up. Without it, Poisson arrivals over `config.horizon_s` (`config.initial_horizon_s` when
@@ -107,10 +130,10 @@ class DigitalTwin:
         total = float(rates.sum())
         if total <= 0:
             none = np.zeros(0, dtype=np.int64)
-            return np.zeros(0), none, none, none, 0.0
+            return Trace(np.zeros(0), none, none, name="twin"), none, 0.0
         times, kinds = [], []
-        if pattern is not None and len(pattern[0]) >= 10:
-            offsets, types = np.asarray(pattern[0], dtype=float), np.asarray(pattern[1])
+        if pattern is not None and len(pattern) >= 10:
+            offsets, types, span_s = pattern.offsets_s, pattern.classes, pattern.span_s
             for j, lam in enumerate(rates):
                 seen = offsets[types == j]
                 want = int(round(lam * span_s))
@@ -148,80 +171,20 @@ class DigitalTwin:
                 pick = rng.choice(len(inputs), size=len(sel), p=weights / weights.sum())
                 inp[sel], out[sel] = inputs[pick], outputs[pick]
         order = np.argsort(arrival, kind="stable")
-        return arrival[order], inp[order], out[order], kind[order].astype(np.int64), warm
+        return Trace(arrival[order], inp[order], out[order], name="twin"), kind[order].astype(np.int64), warm
 
     def score(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], rates: np.ndarray,
-              route: Route, pattern: tuple[np.ndarray, np.ndarray] | None = None, span_s: float = 60.0,
-              long: bool = False) -> float:
+              pattern: ArrivalPattern | None = None, long: bool = False) -> float:
         """Tail latency (s): the mean end-to-end latency of the slowest 2% of the synthetic span's scored
         requests on `deployment` (see `workload`); a request left unfinished counts as infinitely late."""
-        arrival, inp, out, kind, warm = self.workload(rates, pattern, span_s, long)
-        if len(arrival) < 10 or not deployment.replicas:
+        trace, classes, warm = self.workload(rates, pattern, long)
+        if len(trace) < 10 or not deployment.replicas:
             return 0.0 if deployment.replicas else float("inf")
-        res = simulate(self.model, self.gpu, self.cluster, arrival, inp, out, kind, len(self._lengths),
-                       FixedPolicy(deployment, weights, route), self.config.sim, self.perf)
-        scored = res.arrival_s >= warm
-        e2e = np.sort(np.where(res.dropped, np.inf, res.e2e_s)[scored])
+        res = simulate(self.model, self.gpu, self.cluster, trace, FixedPolicy(deployment, weights, classes),
+                       self.config.sim, self.perf)
+        scored = (res.arrival_s >= warm) & res.admitted
+        e2e = np.sort(res.e2e_s[scored])
         if not len(e2e):
             return 0.0
         # the mean of the slowest 2%: the P99 region, steadier than one order statistic of one span
         return float(e2e[int(len(e2e) * 0.98):].mean())
-
-
-Multiset = tuple[ReplicaShape, ...]
-"""A deployment's replica shapes, sorted."""
-
-
-def neighbours(shapes: Sequence[ReplicaShape], valid: Sequence[ReplicaShape]) -> set[Multiset]:
-    """Deployments one move from the multiset `shapes`, each as a sorted tuple of `valid` shapes. Pure.
-
-    A move replaces one replica by another shape of as many GPUs, splits one replica into two whose
-    GPUs sum to its own, or merges two replicas into one shape of their summed GPUs. So every
-    neighbour uses exactly the GPUs `shapes` uses, and the relation is symmetric (a split undoes a
-    merge). Whether a neighbour packs onto the cluster's nodes is not checked here.
-    """
-    by_gpus: dict[int, list[ReplicaShape]] = {}
-    for shape in dict.fromkeys(valid):
-        by_gpus.setdefault(shape.num_gpus, []).append(shape)
-    combo = sorted(shapes)
-    out: set[Multiset] = set()
-    for i, shape in enumerate(combo):
-        rest = combo[:i] + combo[i + 1:]
-        for other in by_gpus.get(shape.num_gpus, []):
-            if other != shape:
-                out.add(tuple(sorted(rest + [other])))
-        for a in range(1, shape.num_gpus // 2 + 1):
-            for x in by_gpus.get(a, []):
-                for y in by_gpus.get(shape.num_gpus - a, []):
-                    out.add(tuple(sorted(rest + [x, y])))
-        for j in range(i + 1, len(combo)):
-            rest2 = [c for t, c in enumerate(combo) if t not in (i, j)]
-            for merged in by_gpus.get(shape.num_gpus + combo[j].num_gpus, []):
-                out.add(tuple(sorted(rest2 + [merged])))
-    out.discard(tuple(combo))
-    return out
-
-
-def local_search(start: Sequence[ReplicaShape], start_score: float, valid: Sequence[ReplicaShape],
-                 score: Callable[[Multiset], float | None], max_steps: int,
-                 min_gain: float = 0.0) -> tuple[Multiset, float]:
-    """Steepest descent over `neighbours` from `start` (scored `start_score`): at most `max_steps` moves,
-    each to the best-scoring neighbour while it beats the current score by more than the fraction
-    `min_gain`. `score` returns None for a deployment that is not allowed (it does not pack, or gives
-    up too much capacity); it is called at most once per multiset. Returns the deployment reached and
-    its score. Pure given `score`."""
-    seen: dict[Multiset, float | None] = {}
-    best, best_score = tuple(sorted(start)), start_score
-    seen[best] = start_score
-    for _ in range(max_steps):
-        step = None
-        for nb in sorted(neighbours(best, valid)):
-            if nb not in seen:
-                seen[nb] = score(nb)
-            value = seen[nb]
-            if value is not None and value < best_score * (1 - min_gain) and (step is None or value < step[1]):
-                step = (nb, value)
-        if step is None:
-            break
-        best, best_score = step
-    return best, best_score

@@ -1,4 +1,4 @@
-"""Per-type arrival series from the ServeGen traces (per-client 10-minute counts + 6-hour length summaries).
+"""Per-type arrival series from the ServeGen traces, for the forecasters (per-client 10-minute counts + 6-hour length summaries).
 
 Pure core: reads only the two files it is handed, takes randomness as a seed, reads no clock.
 
@@ -13,7 +13,7 @@ built as follows:
 2. Input and output are taken as independent within a client-window (the same assumption as
    `../shared/data/README.md`'s heterogeneity table), so the probability of each (input bin, output
    bin) pair is the product of the two bin masses.
-3. Workload types are fitted with `oserve.workload.fit_types` on requests sampled from those
+3. Workload types are fitted with `oserve.workload_types.fit_types` on requests sampled from those
    distributions, each client-window weighted by its request count (seeded).
 4. The type shares of a client-window are the mass of the bin pairs that `WorkloadTypes.classify`
    puts in each type; a client's requests in a 10-minute window are split by the shares of its 6-hour
@@ -38,26 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import polars as pl
 
-from oserve.errors import TraceError
-from oserve.workload import WorkloadTypes, fit_types
-
-SERVEGEN_SPAN_S = 600.0  # ServeGen's window: 10 minutes
-LENGTH_WINDOW_S = 21600.0  # ServeGen's length-distribution window: 6 hours
-
-_QUANTILE_COLUMNS: tuple[str, ...] = ("min", "p1", "p5", "p10", "p20", "p25", "p30", "p40", "p50", "p60",
-                                      "p70", "p75", "p80", "p90", "p95", "p99", "p99.9", "max")
-_QUANTILE_LEVELS = np.array([0.0, 0.01, 0.05, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9,
-                             0.95, 0.99, 0.999, 1.0])
-QUANTILE_LEVELS = _QUANTILE_LEVELS  # the levels of the 18 published quantiles (min .. max), public name
-BIN_WEIGHTS = np.diff(_QUANTILE_LEVELS)  # 17 bins
-_TRACE_COLUMNS: tuple[str, ...] = ("client_id", "timestamp_s", "rate_rps", "iat_cv", "iat_dist", "iat_shape",
-                                   "iat_scale")
-# The shared data folder (../shared/data/traces beside the repository) holding servegen_<model>.csv and
-# servegen_<model>_lengths.csv; the same folder as the CLI's DEFAULT_DATA_DIR.
-DEFAULT_SERVEGEN_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
-
+from oserve.servegen import BIN_WEIGHTS, LENGTH_WINDOW_S, SERVEGEN_SPAN_S, length_quantiles, read_servegen
+from oserve.workload_types import WorkloadTypes, fit_types
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ServeGenSeries:
@@ -69,64 +52,6 @@ class ServeGenSeries:
     types: WorkloadTypes
     covered_share: float  # fraction of requests from clients with published length distributions
     gap_spans: int  # collection-gap windows (NaN rows when gaps_as_missing)
-
-
-def read_servegen(trace_csv: str | os.PathLike[str], lengths_csv: str | os.PathLike[str], *,
-                  trace_columns: tuple[str, ...] = _TRACE_COLUMNS) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """The two ServeGen files as data frames: (trace with `trace_columns`, lengths with every column).
-
-    Reads exactly the two files given; raises `TraceError` naming the file when one is missing,
-    unreadable or lacks a column.
-    """
-    trace_csv, lengths_csv = Path(trace_csv), Path(lengths_csv)
-    for p in (trace_csv, lengths_csv):
-        if not p.is_file():
-            raise TraceError(f"ServeGen file not found: {str(p)!r}")
-    schema = {"client_id": pl.Int64, "timestamp_s": pl.Float64, "rate_rps": pl.Float64, "iat_cv": pl.Float64,
-              "iat_dist": pl.Utf8, "iat_shape": pl.Float64, "iat_scale": pl.Float64}
-    try:
-        tr = pl.read_csv(trace_csv, columns=list(trace_columns),
-                         schema_overrides={c: schema[c] for c in trace_columns if c in schema})
-        ln = pl.read_csv(lengths_csv, schema_overrides={c: pl.Float64 for c in _QUANTILE_COLUMNS})
-    except (pl.exceptions.PolarsError, OSError) as exc:
-        raise TraceError(f"cannot read ServeGen files {str(trace_csv)!r}, {str(lengths_csv)!r}: "
-                         f"{str(exc).splitlines()[0]}") from None
-    missing = [c for c in ("client_id", "window_start_s", "field", "n_support", *_QUANTILE_COLUMNS)
-               if c not in ln.columns]
-    if missing:
-        raise TraceError(f"{lengths_csv}: missing columns {', '.join(missing)}")
-    return tr, ln
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class LengthQuantiles:
-    """The published length quantiles of every covered client-window (rows), input and output paired."""
-
-    client_index: np.ndarray  # (n,) int64: index into the `client_ids` handed to `length_quantiles`
-    window_index: np.ndarray  # (n,) int64: 6-hour window (window_start_s / 21600)
-    input_q: np.ndarray  # (n, 18) float64: input tokens at QUANTILE_LEVELS
-    output_q: np.ndarray  # (n, 18) float64: output tokens at QUANTILE_LEVELS
-
-
-def length_quantiles(ln: pl.DataFrame, lengths_csv: str | os.PathLike[str],
-                     client_ids: np.ndarray) -> LengthQuantiles:
-    """Rows of `ln` with requests (n_support > 0) of clients in `client_ids` (sorted), input and output paired.
-
-    Raises `TraceError` (naming `lengths_csv`) when the input and output rows do not pair up. Pure.
-    """
-    ln = ln.filter(pl.col("n_support") > 0)
-    inp = ln.filter(pl.col("field") == "input_tokens").sort(["client_id", "window_start_s"])
-    out = ln.filter(pl.col("field") == "output_tokens").sort(["client_id", "window_start_s"])
-    key_in = inp.select(["client_id", "window_start_s"])
-    if not key_in.equals(out.select(["client_id", "window_start_s"])):
-        raise TraceError(f"{lengths_csv}: input and output rows do not pair up by client and window")
-    ids = key_in["client_id"].to_numpy()
-    known = np.isin(ids, client_ids)
-    return LengthQuantiles(
-        client_index=np.searchsorted(client_ids, ids[known]).astype(np.int64),
-        window_index=np.rint(key_in["window_start_s"].to_numpy()[known] / LENGTH_WINDOW_S).astype(np.int64),
-        input_q=inp.select(_QUANTILE_COLUMNS).to_numpy()[known],
-        output_q=out.select(_QUANTILE_COLUMNS).to_numpy()[known])
 
 
 def _bin_points(quantiles: np.ndarray) -> np.ndarray:

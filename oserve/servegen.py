@@ -1,4 +1,4 @@
-"""Per-request workloads generated from the ServeGen traces (m-large, m-mid), for the simulator.
+"""The ServeGen traces (m-large, m-mid): reading them, and per-request traces generated from them.
 
 Pure core: reads only the two files it is handed (or that a model name resolves to in
 `DEFAULT_SERVEGEN_DIR`), takes randomness as a `numpy.random.Generator`, reads no clock.
@@ -20,25 +20,23 @@ the trace becomes requests the way ServeGen's generator does it, window by windo
    strictly inside its own window. Requests of windows that only partly overlap the slice are
    generated for the whole window and those outside the slice dropped.
 3. Lengths. Each request's input and output are drawn independently (the data has no joint
-   distribution: an assumption, the same one `oserve.forecast.servegen` makes) from its client's
+   distribution: an assumption, the same one `oserve.forecast.servegen_series` makes) from its client's
    6-hour window by inverse-CDF sampling: linear interpolation of u ~ U[0, 1) through the published
    quantiles at levels 0, .01, .05, ..., .99, .999, 1 (min .. max), rounded to whole tokens.
 4. Clients without a published distribution for a 6-hour window (the largest clients are missing from
    the snapshot) draw from the pooled distribution of the covered clients of the same 6-hour window:
    a covered client picked with probability proportional to its requests in that window, then input
    and output drawn from it (the whole trace's covered clients where a window has none), as
-   `oserve.forecast.servegen` does for its type shares.
+   `oserve.forecast.servegen_series` does for its type shares.
 
 Arrival times in a `Workload` are seconds from the start of the slice.
 
-Typical use (types do not depend on `rate_scale`, so capacity can be planned before the volume is
-chosen):
+Typical use:
 
     data = load_servegen("servegen-m-large")
     start = default_start_s(data)
-    types = servegen_types(data, start_s=start, minutes=60)
-    w = servegen_workload(data, types, start_s=start, minutes=60,
-                          rate_scale=target_rps / slice_mean_rps(data, start, 60), rng=rng)
+    trace = servegen_trace(data, start_s=start, minutes=60,
+                           rate_scale=target_rps / slice_mean_rps(data, start, 60), rng=rng)
 """
 
 from __future__ import annotations
@@ -48,13 +46,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 from scipy import stats
 
 from oserve.errors import ConfigError, TraceError
-from oserve.forecast.servegen import (DEFAULT_SERVEGEN_DIR, LENGTH_WINDOW_S, QUANTILE_LEVELS, SERVEGEN_SPAN_S,
-                                      length_quantiles, read_servegen)
-from oserve.sim.workloads import Workload
-from oserve.workload import WorkloadTypes, fit_types
+from oserve.traces import Trace
+
+SERVEGEN_SPAN_S = 600.0  # ServeGen's window: 10 minutes
+LENGTH_WINDOW_S = 21600.0  # ServeGen's length-distribution window: 6 hours
+
+_QUANTILE_COLUMNS: tuple[str, ...] = ("min", "p1", "p5", "p10", "p20", "p25", "p30", "p40", "p50", "p60",
+                                      "p70", "p75", "p80", "p90", "p95", "p99", "p99.9", "max")
+_QUANTILE_LEVELS = np.array([0.0, 0.01, 0.05, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9,
+                             0.95, 0.99, 0.999, 1.0])
+QUANTILE_LEVELS = _QUANTILE_LEVELS  # the levels of the 18 published quantiles (min .. max), public name
+BIN_WEIGHTS = np.diff(_QUANTILE_LEVELS)  # 17 bins
+_TRACE_COLUMNS: tuple[str, ...] = ("client_id", "timestamp_s", "rate_rps", "iat_cv", "iat_dist", "iat_shape",
+                                   "iat_scale")
+# The shared data folder (../shared/data/traces beside the repository) holding servegen_<model>.csv and
+# servegen_<model>_lengths.csv; the same folder as the CLI's DEFAULT_DATA_DIR.
+DEFAULT_SERVEGEN_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces"
+
 
 SERVEGEN_MODELS = ("m-large", "m-mid")
 SPANS_PER_LENGTH_WINDOW = int(round(LENGTH_WINDOW_S / SERVEGEN_SPAN_S))  # 36
@@ -160,6 +172,64 @@ def load_servegen(path_or_name: str | os.PathLike[str], *,
     return ServeGenData(name=name, client_ids=client_ids, count=count, iat_dist=iat_dist, iat_shape=iat_shape,
                         iat_scale=iat_scale, input_q=lq.input_q, output_q=lq.output_q, row=row,
                         window_requests=window_requests)
+
+
+def read_servegen(trace_csv: str | os.PathLike[str], lengths_csv: str | os.PathLike[str], *,
+                  trace_columns: tuple[str, ...] = _TRACE_COLUMNS) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The two ServeGen files as data frames: (trace with `trace_columns`, lengths with every column).
+
+    Reads exactly the two files given; raises `TraceError` naming the file when one is missing,
+    unreadable or lacks a column.
+    """
+    trace_csv, lengths_csv = Path(trace_csv), Path(lengths_csv)
+    for p in (trace_csv, lengths_csv):
+        if not p.is_file():
+            raise TraceError(f"ServeGen file not found: {str(p)!r}")
+    schema = {"client_id": pl.Int64, "timestamp_s": pl.Float64, "rate_rps": pl.Float64, "iat_cv": pl.Float64,
+              "iat_dist": pl.Utf8, "iat_shape": pl.Float64, "iat_scale": pl.Float64}
+    try:
+        tr = pl.read_csv(trace_csv, columns=list(trace_columns),
+                         schema_overrides={c: schema[c] for c in trace_columns if c in schema})
+        ln = pl.read_csv(lengths_csv, schema_overrides={c: pl.Float64 for c in _QUANTILE_COLUMNS})
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise TraceError(f"cannot read ServeGen files {str(trace_csv)!r}, {str(lengths_csv)!r}: "
+                         f"{str(exc).splitlines()[0]}") from None
+    missing = [c for c in ("client_id", "window_start_s", "field", "n_support", *_QUANTILE_COLUMNS)
+               if c not in ln.columns]
+    if missing:
+        raise TraceError(f"{lengths_csv}: missing columns {', '.join(missing)}")
+    return tr, ln
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LengthQuantiles:
+    """The published length quantiles of every covered client-window (rows), input and output paired."""
+
+    client_index: np.ndarray  # (n,) int64: index into the `client_ids` handed to `length_quantiles`
+    window_index: np.ndarray  # (n,) int64: 6-hour window (window_start_s / 21600)
+    input_q: np.ndarray  # (n, 18) float64: input tokens at QUANTILE_LEVELS
+    output_q: np.ndarray  # (n, 18) float64: output tokens at QUANTILE_LEVELS
+
+
+def length_quantiles(ln: pl.DataFrame, lengths_csv: str | os.PathLike[str],
+                     client_ids: np.ndarray) -> LengthQuantiles:
+    """Rows of `ln` with requests (n_support > 0) of clients in `client_ids` (sorted), input and output paired.
+
+    Raises `TraceError` (naming `lengths_csv`) when the input and output rows do not pair up. Pure.
+    """
+    ln = ln.filter(pl.col("n_support") > 0)
+    inp = ln.filter(pl.col("field") == "input_tokens").sort(["client_id", "window_start_s"])
+    out = ln.filter(pl.col("field") == "output_tokens").sort(["client_id", "window_start_s"])
+    key_in = inp.select(["client_id", "window_start_s"])
+    if not key_in.equals(out.select(["client_id", "window_start_s"])):
+        raise TraceError(f"{lengths_csv}: input and output rows do not pair up by client and window")
+    ids = key_in["client_id"].to_numpy()
+    known = np.isin(ids, client_ids)
+    return LengthQuantiles(
+        client_index=np.searchsorted(client_ids, ids[known]).astype(np.int64),
+        window_index=np.rint(key_in["window_start_s"].to_numpy()[known] / LENGTH_WINDOW_S).astype(np.int64),
+        input_q=inp.select(_QUANTILE_COLUMNS).to_numpy()[known],
+        output_q=out.select(_QUANTILE_COLUMNS).to_numpy()[known])
 
 
 def percentile_inverse_cdf(quantiles: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -279,11 +349,10 @@ def _as_data(source: ServeGenData | str | os.PathLike[str], data_dir: str | os.P
     return source if isinstance(source, ServeGenData) else load_servegen(source, data_dir=data_dir)
 
 
-def servegen_workload(source: ServeGenData | str | os.PathLike[str], types: WorkloadTypes, *,
-                      start_s: float | None = None, minutes: float = 60.0, rate_scale: float = 1.0,
-                      rng: np.random.Generator, name: str | None = None,
-                      data_dir: str | os.PathLike[str] | None = None) -> Workload:
-    """A simulator workload of a ServeGen slice, typed by `types.classify(input, output)`.
+def servegen_trace(source: ServeGenData | str | os.PathLike[str], *, start_s: float | None = None,
+                   minutes: float = 60.0, rate_scale: float = 1.0, rng: np.random.Generator,
+                   name: str | None = None, data_dir: str | os.PathLike[str] | None = None) -> Trace:
+    """The requests of a ServeGen slice as a trace, each with the client that sent it. Pure given rng.
 
     `source`: loaded data (fastest when called repeatedly), "servegen-m-large" / "servegen-m-mid"
     (resolved in `data_dir`, default `DEFAULT_SERVEGEN_DIR`) or a path to a servegen_*.csv. `start_s`
@@ -296,49 +365,7 @@ def servegen_workload(source: ServeGenData | str | os.PathLike[str], types: Work
     r = servegen_requests(data, start_s=start_s, minutes=minutes, rate_scale=rate_scale, rng=rng)
     label = name or (f"{data.name}@{start_s / 3600:.2f}h+{minutes:g}m"
                      + (f"x{rate_scale:.3g}" if rate_scale != 1 else ""))
-    return Workload(label, r.arrival_s - start_s, r.input_tokens, r.output_tokens,
-                    types.classify(r.input_tokens, r.output_tokens))
-
-
-def servegen_types(source: ServeGenData | str | os.PathLike[str], *, start_s: float | None = None,
-                   minutes: float = 60.0, k: int = 4, seed: int = 0, samples: int = 50_000,
-                   data_dir: str | os.PathLike[str] | None = None) -> WorkloadTypes:
-    """Workload types fitted (`oserve.workload.fit_types`) to the slice's length distribution.
-
-    `samples` requests are drawn from the slice's client-windows in proportion to their published
-    counts (pooled distributions for uncovered clients), lengths by the same sampler as the workload,
-    with `numpy.random.default_rng(seed)`. So the types depend on the slice, not on `rate_scale` or on
-    the workload's rng: fit them first, plan capacity, then pick the volume.
-    """
-    data = _as_data(source, data_dir)
-    if start_s is None:
-        start_s = default_start_s(data, minutes)
-    if samples < k:
-        raise ConfigError(f"servegen_types: samples must be >= k ({k}); got {samples}")
-    _, _, t0, t1 = _slice_spans(data, start_s, minutes)
-    counts = data.count[:, t0:t1].astype(np.float64)
-    if counts.sum() <= 0:
-        raise ConfigError(f"{data.name}: no request in the slice starting at {start_s:.0f} s ({minutes:g} min)")
-    rng = np.random.default_rng(seed)
-    flat = rng.choice(counts.size, size=samples, p=(counts / counts.sum()).ravel())
-    c, j = np.unravel_index(flat, counts.shape)
-    rows = _rows_for(data, c, (t0 + j) // SPANS_PER_LENGTH_WINDOW, rng)
-    return fit_types(sample_lengths(data.input_q[rows], rng), sample_lengths(data.output_q[rows], rng),
-                     k=k, seed=seed)
-
-
-def servegen_types_and_workload(source: ServeGenData | str | os.PathLike[str], *, start_s: float | None = None,
-                                minutes: float = 60.0, rate_scale: float = 1.0, rng: np.random.Generator,
-                                k: int = 4, fit_seed: int = 0, name: str | None = None,
-                                data_dir: str | os.PathLike[str] | None = None
-                                ) -> tuple[WorkloadTypes, Workload]:
-    """`servegen_types` then `servegen_workload` on the same slice (loading the files once)."""
-    data = _as_data(source, data_dir)
-    if start_s is None:
-        start_s = default_start_s(data, minutes)
-    types = servegen_types(data, start_s=start_s, minutes=minutes, k=k, seed=fit_seed)
-    return types, servegen_workload(data, types, start_s=start_s, minutes=minutes, rate_scale=rate_scale,
-                                    rng=rng, name=name)
+    return Trace(r.arrival_s - start_s, r.input_tokens, r.output_tokens, name=label, client_ids=r.client_id)
 
 
 def slice_mean_rps(data: ServeGenData, start_s: float, minutes: float) -> float:

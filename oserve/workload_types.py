@@ -1,8 +1,6 @@
-"""Request traces and workload types: load a trace, cluster requests into types, count types per span.
+"""Workload types: cluster requests into types, count types per span, measure how the mix varies. Pure.
 
-Pure core: no asyncio, no NATS, no clock reads, no environment reads; the only files read are the ones
-handed to `load_trace` (a path, or the name of a trace shipped in `oserve.data`). Randomness comes in
-as a seed.
+No asyncio, no NATS, no clock reads; randomness comes in as a seed.
 
 A request is a point (input tokens, output tokens). Types are k-means clusters of these points in log
 space, `(log1p(input_tokens), log1p(output_tokens))`, named by position as the OServe paper does
@@ -12,32 +10,13 @@ space, `(log1p(input_tokens), log1p(output_tokens))`, named by position as the O
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import polars as pl
 from scipy.optimize import linear_sum_assignment
 
-from oserve.data import data_path
-from oserve.errors import ConfigError, TraceError
-
-# bundled trace name -> file in oserve.data (see oserve/data/ATTRIBUTION.md)
-BUNDLED_TRACES: dict[str, str] = {
-    "azure-conv": "azure_2023_conv.csv",
-    "azure-code": "azure_2023_code.csv",
-}
-
-# Azure LLM inference trace columns: arrival, input tokens, output tokens
-AZURE_COLUMNS: tuple[str, str, str] = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-# JSON Lines fields: arrival in seconds, input tokens, output tokens
-JSONL_FIELDS: tuple[str, str, str] = ("timestamp", "input_length", "output_length")
-
-_CSV_SUFFIXES = (".csv",)
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-_AZURE_TIME_FORMAT = "%Y-%m-%d %H:%M:%S%.f"  # %.f: optional fraction, up to 9 digits (Azure has 7)
+from oserve.errors import ConfigError
+from oserve.traces import Trace
 
 NAMES_4: tuple[str, str, str, str] = ("SISO", "SILO", "LISO", "LILO")
 # grid corner (input long?, output long?) of each name in NAMES_4, in the same order
@@ -45,312 +24,21 @@ _CORNERS_4 = np.array([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
 
 NUM_LENGTH_SAMPLES = 32  # representative lengths kept per type (quantiles of its members)
 
-
-# --------------------------------------------------------------------------------------------------
-# Requests and traces
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request of a trace: when it arrives and how long its prompt and its answer are."""
-
-    request_id: str
-    arrival_s: float  # seconds from the start of the trace
-    input_tokens: int
-    output_tokens: int
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Trace:
-    """A request trace as columns: arrivals sorted ascending, in seconds from the trace's time origin.
-
-    A loaded trace's first request arrives at 0. A slice keeps the time origin of its window (its
-    first request may arrive after 0), so spans counted on a slice line up with the window. The arrays
-    are copied and made read-only; equality is identity (compare the arrays yourself).
-    """
-
-    arrival_s: np.ndarray  # float64, sorted ascending, >= 0
-    input_tokens: np.ndarray  # int64, >= 0
-    output_tokens: np.ndarray  # int64, >= 0
-    name: str = "trace"
-
-    def __post_init__(self) -> None:
-        arrival_s = np.array(self.arrival_s, dtype=np.float64)
-        input_tokens = np.array(self.input_tokens, dtype=np.int64)
-        output_tokens = np.array(self.output_tokens, dtype=np.int64)
-        if not (arrival_s.ndim == input_tokens.ndim == output_tokens.ndim == 1):
-            raise ConfigError("Trace columns must be 1-D arrays")
-        if not (len(arrival_s) == len(input_tokens) == len(output_tokens)):
-            raise ConfigError(
-                f"Trace columns differ in length: arrival_s {len(arrival_s)}, "
-                f"input_tokens {len(input_tokens)}, output_tokens {len(output_tokens)}")
-        if len(arrival_s):
-            if not np.all(np.isfinite(arrival_s)) or arrival_s[0] < 0:
-                raise ConfigError(f"Trace arrival_s must be finite and >= 0; first is {arrival_s[0]!r}")
-            if np.any(np.diff(arrival_s) < 0):
-                raise ConfigError("Trace arrival_s must be sorted ascending")
-            if input_tokens.min() < 0 or output_tokens.min() < 0:
-                raise ConfigError("Trace token counts must be >= 0")
-        for name, arr in (("arrival_s", arrival_s), ("input_tokens", input_tokens),
-                          ("output_tokens", output_tokens)):
-            arr.setflags(write=False)
-            object.__setattr__(self, name, arr)
-
-    def __len__(self) -> int:
-        return len(self.arrival_s)
-
-    def __repr__(self) -> str:
-        return f"Trace(name={self.name!r}, num_requests={len(self)}, duration_s={self.duration_s:.3f})"
-
-    @property
-    def duration_s(self) -> float:
-        """Time from the trace's origin to its last arrival (0 for an empty trace). Pure."""
-        return float(self.arrival_s[-1]) if len(self.arrival_s) else 0.0
-
-    def requests(self) -> Iterator[Request]:
-        """Yield the requests in arrival order; ids are `{name}-{index}`. Pure."""
-        name = self.name
-        for i, (t, n_in, n_out) in enumerate(zip(self.arrival_s.tolist(), self.input_tokens.tolist(),
-                                                 self.output_tokens.tolist())):
-            yield Request(f"{name}-{i}", t, n_in, n_out)
-
-    def slice_time(self, start_s: float, end_s: float) -> Trace:
-        """The requests arriving in [start_s, end_s), with times re-based so start_s becomes 0. Pure."""
-        if not (math.isfinite(start_s) and math.isfinite(end_s)) or end_s < start_s:
-            raise ConfigError(f"slice_time needs finite start_s <= end_s; got {start_s!r}, {end_s!r}")
-        lo, hi = np.searchsorted(self.arrival_s, [start_s, end_s], side="left")
-        return Trace(self.arrival_s[lo:hi] - start_s, self.input_tokens[lo:hi],
-                     self.output_tokens[lo:hi], name=f"{self.name}[{start_s:g}:{end_s:g}]")
-
-    @classmethod
-    def from_requests(cls, requests: list[Request] | tuple[Request, ...], name: str = "trace") -> Trace:
-        """Build a trace from requests (sorted by arrival, stably; ids are not kept). Pure."""
-        arrival_s = np.array([r.arrival_s for r in requests], dtype=np.float64)
-        order = np.argsort(arrival_s, kind="stable")
-        return cls(arrival_s[order],
-                   np.array([r.input_tokens for r in requests], dtype=np.int64)[order],
-                   np.array([r.output_tokens for r in requests], dtype=np.int64)[order], name=name)
-
-
-# --------------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read a trace file (Azure CSV or JSON Lines) or a bundled trace by name; reads only that file.
-
-    Formats, told apart by the file extension:
-    - `.csv`: the Azure LLM inference trace, columns `TIMESTAMP` (`YYYY-MM-DD HH:MM:SS.fffffff`),
-      `ContextTokens`, `GeneratedTokens`; other columns are ignored.
-    - `.jsonl`, `.json`, `.ndjson`: one JSON object per line with `timestamp` (seconds),
-      `input_length` and `output_length` (tokens).
-    Bundled names: `azure-conv`, `azure-code` (see `oserve/data/ATTRIBUTION.md`).
-
-    Blank lines are skipped. Rows are sorted by arrival (stably) if the file is not, and times are
-    shifted so the first request arrives at 0. Token counts must be whole numbers >= 0 (`12.0` is
-    accepted). Raises TraceError naming the problem and, for a bad value, its 1-based line number in
-    the file (a CSV header is line 1).
-    """
-    if isinstance(path, str) and path in BUNDLED_TRACES:
-        file_path, name = data_path(BUNDLED_TRACES[path]), path
-    else:
-        file_path = Path(path)
-        name = file_path.stem
-    if not file_path.exists():
-        raise TraceError(f"trace file not found: {str(path)!r} "
-                         f"(bundled traces: {', '.join(BUNDLED_TRACES)})")
-    if file_path.is_dir():
-        raise TraceError(f"trace path is a directory, not a file: {str(path)!r}")
-    suffix = file_path.suffix.lower()
-    if suffix in _CSV_SUFFIXES:
-        arrival_s, input_tokens, output_tokens = _read_azure_csv(file_path)
-    elif suffix in _JSONL_SUFFIXES:
-        arrival_s, input_tokens, output_tokens = _read_jsonl(file_path)
-    else:
-        raise TraceError(f"cannot tell the format of {str(path)!r} from its extension {suffix!r}: "
-                         f"expected .csv (Azure) or .jsonl/.json/.ndjson (JSON Lines)")
-    if np.any(np.diff(arrival_s) < 0):
-        order = np.argsort(arrival_s, kind="stable")
-        arrival_s, input_tokens, output_tokens = arrival_s[order], input_tokens[order], output_tokens[order]
-    return Trace(arrival_s, input_tokens, output_tokens, name=name)
-
-
-def _read_azure_csv(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Parse an Azure trace CSV into (arrival_s from the first request, input, output). Reads `path`."""
-    try:
-        df = pl.read_csv(path, infer_schema=False)
-    except pl.exceptions.NoDataError:
-        raise TraceError(f"{path}: empty trace (the file is empty)") from None
-    except pl.exceptions.PolarsError as exc:
-        _raise_csv_shape_error(path)
-        raise TraceError(f"{path}: cannot read as CSV: {_first_line(exc)}") from None
-    missing = [c for c in AZURE_COLUMNS if c not in df.columns]
-    if missing:
-        raise TraceError(f"{path}: missing column{'s' if len(missing) > 1 else ''} "
-                         f"{', '.join(missing)}; the file has columns: {', '.join(df.columns) or '(none)'}")
-    # polars keeps blank lines as rows of nulls, so row i is line i + 2 (the header is line 1)
-    df = (df.select([pl.col(c).str.strip_chars() for c in AZURE_COLUMNS])
-          .with_row_index("_line", offset=2)
-          .filter(~pl.all_horizontal([pl.col(c).is_null() | (pl.col(c) == "") for c in AZURE_COLUMNS])))
-    if df.height == 0:
-        raise TraceError(f"{path}: empty trace (a header and no rows)")
-    lines = df["_line"]
-    for col in AZURE_COLUMNS:
-        _check_present(path, df[col], col, lines)
-    stamps = df["TIMESTAMP"].str.strptime(pl.Datetime("ns"), _AZURE_TIME_FORMAT, strict=False)
-    bad = stamps.is_null()
-    if bad.any():
-        _raise_bad_rows(path, bad, lines, df["TIMESTAMP"],
-                        "cannot parse TIMESTAMP {value!r}; expected YYYY-MM-DD HH:MM:SS[.fffffff]")
-    ns = stamps.cast(pl.Int64).to_numpy()
-    arrival_s = (ns - ns.min()).astype(np.float64) / 1e9  # subtract in int64: keeps the 100-ns ticks
-    input_tokens = _tokens(path, df["ContextTokens"], "ContextTokens", lines)
-    output_tokens = _tokens(path, df["GeneratedTokens"], "GeneratedTokens", lines)
-    return arrival_s, input_tokens, output_tokens
-
-
-def _read_jsonl(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Parse a JSON Lines trace into (arrival_s from the first request, input, output). Reads `path`."""
-    if path.stat().st_size == 0:
-        raise TraceError(f"{path}: empty trace (the file is empty)")
-    try:
-        df = pl.read_ndjson(path, infer_schema_length=None)
-    except pl.exceptions.PolarsError as exc:
-        _raise_jsonl_syntax_error(path)
-        raise TraceError(f"{path}: cannot read as JSON Lines: {_first_line(exc)}") from None
-    if df.height == 0:
-        raise TraceError(f"{path}: empty trace (no JSON objects)")
-    missing = [c for c in JSONL_FIELDS if c not in df.columns]
-    if missing:
-        raise TraceError(f"{path}: missing field{'s' if len(missing) > 1 else ''} "
-                         f"{', '.join(missing)}; the objects have fields: "
-                         f"{', '.join(df.columns) or '(none)'}")
-    # polars skips blank lines; map row -> line only when an error needs it (one pass over the file)
-    lines = _LazyLines(path)
-    for col in JSONL_FIELDS:
-        _check_present(path, df[col], col, lines)
-    stamps = _as_float(path, df["timestamp"], "timestamp")
-    bad = stamps.is_null() | ~stamps.is_finite()
-    if bad.any():
-        _raise_bad_rows(path, bad, lines, df["timestamp"].cast(pl.String, strict=False),
-                        "cannot parse timestamp {value!r}; expected seconds as a number")
-    t = stamps.to_numpy()
-    arrival_s = t - t.min()
-    input_tokens = _tokens(path, df["input_length"], "input_length", lines)
-    output_tokens = _tokens(path, df["output_length"], "output_length", lines)
-    return arrival_s, input_tokens, output_tokens
-
-
-class _LazyLines:
-    """Row index -> 1-based line number of a JSON Lines file, computed on first use. Reads `path`."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._lines: list[int] | None = None
-
-    def __getitem__(self, row: int) -> int:
-        if self._lines is None:
-            with open(self._path, "rb") as f:
-                self._lines = [i for i, line in enumerate(f, start=1) if line.strip()]
-        return self._lines[row]
-
-
-def _check_present(path: Path, values: pl.Series, col: str, lines: pl.Series | _LazyLines) -> None:
-    """Raise TraceError for the first row whose `col` is missing (null or empty). Pure but for errors."""
-    bad = values.is_null()
-    if values.dtype == pl.String:
-        bad = bad | (values == "")
-    if bad.any():
-        _raise_bad_rows(path, bad, lines, values, f"missing value for {col}")
-
-
-def _as_float(path: Path, values: pl.Series, col: str) -> pl.Series:
-    """Cast a column to Float64 (strings that are not numbers become null). Pure."""
-    if values.dtype.is_numeric() or values.dtype == pl.String:
-        return values.cast(pl.Float64, strict=False)
-    raise TraceError(f"{path}: {col} must hold numbers, but holds {values.dtype}")
-
-
-def _tokens(path: Path, values: pl.Series, col: str, lines: pl.Series | _LazyLines) -> np.ndarray:
-    """Validate a token-count column (whole numbers >= 0) and return it as int64. Pure but for errors."""
-    if values.dtype.is_integer():
-        counts = values.cast(pl.Int64).to_numpy()
-        bad = pl.Series(counts < 0)
-        if bad.any():
-            _raise_bad_rows(path, bad, lines, values, f"negative token count in {col}: {{value}}")
-        return counts
-    as_float = _as_float(path, values, col)
-    not_number = as_float.is_null()
-    if not_number.any():
-        _raise_bad_rows(path, not_number, lines, values.cast(pl.String, strict=False),
-                        f"{col} is not a number: {{value!r}}")
-    x = as_float.to_numpy()
-    with np.errstate(invalid="ignore"):
-        non_integer = pl.Series(~np.isfinite(x) | (x != np.floor(x)))
-    if non_integer.any():
-        _raise_bad_rows(path, non_integer, lines, values.cast(pl.String, strict=False),
-                        f"non-integer token count in {col}: {{value}}")
-    negative = pl.Series(x < 0)
-    if negative.any():
-        _raise_bad_rows(path, negative, lines, values.cast(pl.String, strict=False),
-                        f"negative token count in {col}: {{value}}")
-    return x.astype(np.int64)
-
-
-def _raise_bad_rows(path: Path, bad: pl.Series, lines: pl.Series | _LazyLines, values: pl.Series,
-                    template: str) -> None:
-    """Raise TraceError for the first bad row: `path: line N: <template with value>` (+ how many more)."""
-    bad_rows = bad.arg_true()
-    row = int(bad_rows[0])
-    line = int(lines[row])
-    value = values[row]
-    msg = f"{path}: line {line}: {template.format(value=value)}"
-    if len(bad_rows) > 1:
-        msg += f" ({len(bad_rows) - 1} more bad line{'s' if len(bad_rows) > 2 else ''} like it)"
-    raise TraceError(msg)
-
-
-def _raise_csv_shape_error(path: Path) -> None:
-    """After polars failed on a CSV: raise for the first line with the wrong number of fields. Reads `path`."""
-    import csv
-
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            return
-        for row in reader:
-            if row and len(row) != len(header):
-                raise TraceError(f"{path}: line {reader.line_num}: {len(row)} fields where the header "
-                                 f"has {len(header)}")
-
-
-def _raise_jsonl_syntax_error(path: Path) -> None:
-    """After polars failed on JSON Lines: raise for the first line not a JSON object, or if none. Reads `path`."""
-    import json
-
-    num_objects = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_num, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            num_objects += 1
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}: line {line_num}: not valid JSON ({exc.msg} at column "
-                                 f"{exc.colno})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{path}: line {line_num}: expected one JSON object per line, "
-                                 f"found {type(obj).__name__}")
-    if num_objects == 0:
-        raise TraceError(f"{path}: empty trace (only blank lines)")
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (polars appends hints on later lines). Pure."""
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-
+# The paper's Table 1: type mixes in percent of SILO / LILO / SISO / LISO.
+COMPOSITIONS: dict[str, dict[str, float]] = {
+    "S1": {"SILO": 26.3, "LILO": 26.2, "SISO": 27.3, "LISO": 20.2},
+    "S2": {"SILO": 30.0, "LILO": 28.0, "SISO": 24.2, "LISO": 17.8},
+    "S3": {"SILO": 18.8, "LILO": 18.9, "SISO": 35.5, "LISO": 26.8},
+    "S4": {"SILO": 13.2, "LILO": 14.2, "SISO": 41.1, "LISO": 31.5},
+    "S5": {"SILO": 8.2, "LILO": 8.2, "SISO": 47.1, "LISO": 36.6},
+}
+# The paper's Table 2: mixes one after another.
+SEQUENCES: dict[str, tuple[str, ...]] = {
+    "T1": ("S1", "S2", "S1"),
+    "T2": ("S1", "S3", "S2"),
+    "T3": ("S2", "S4", "S3"),
+    "T4": ("S1", "S4", "S5"),
+}
 
 # --------------------------------------------------------------------------------------------------
 # Workload types

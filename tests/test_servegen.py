@@ -1,4 +1,4 @@
-"""ServeGen workloads for the simulator: counts, arrivals, lengths, types, errors, the inverse-CDF sampler."""
+"""ServeGen traces (`oserve.servegen`): counts, arrivals, lengths, clients, errors, the inverse-CDF sampler."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from oserve.errors import ConfigError
-from oserve.sim.servegen import (default_start_s, load_servegen, percentile_inverse_cdf, servegen_requests,
-                                 servegen_types, servegen_types_and_workload, servegen_workload, slice_mean_rps)
+from oserve.servegen import (default_start_s, load_servegen, percentile_inverse_cdf, servegen_requests,
+                             servegen_trace, slice_mean_rps)
+from oserve.workload_types import fit_types
 
 TRACES = SHARED_DATA / "traces"
 COLS = ("client_id,window_start_s,field,n_support,mean,min,p1,p5,p10,p20,p25,p30,p40,p50,p60,p70,p75,p80,p90,"
@@ -79,16 +80,15 @@ def test_lengths_within_each_clients_range_and_pool_for_uncovered(tiny):
     assert np.all(r.output_tokens[c2][short] >= 300) and np.all(r.output_tokens[c2][~short] <= 40)
 
 
-def test_deterministic_for_a_seed_and_types_valid(tiny):
-    types, w = servegen_types_and_workload(tiny, start_s=0.0, minutes=60.0, rng=np.random.default_rng(4))
-    _, w2 = servegen_types_and_workload(tiny, start_s=0.0, minutes=60.0, rng=np.random.default_rng(4))
+def test_a_slice_is_a_trace_with_its_clients_deterministic_for_a_seed(tiny):
+    w = servegen_trace(tiny, start_s=0.0, minutes=60.0, rng=np.random.default_rng(4))
+    w2 = servegen_trace(tiny, start_s=0.0, minutes=60.0, rng=np.random.default_rng(4))
     for a, b in ((w.arrival_s, w2.arrival_s), (w.input_tokens, w2.input_tokens),
-                 (w.output_tokens, w2.output_tokens), (w.type_index, w2.type_index)):
+                 (w.output_tokens, w2.output_tokens), (w.client_ids, w2.client_ids)):
         assert np.array_equal(a, b)
-    assert np.array_equal(w.type_index, types.classify(w.input_tokens, w.output_tokens))
-    assert set(np.unique(w.type_index)) <= set(range(types.k))
-    assert w.arrival_s.min() >= 0.0 and w.arrival_s.max() < 3600.0
-    w3 = servegen_workload(tiny, types, start_s=0.0, minutes=60.0, rng=np.random.default_rng(5))
+    assert set(np.unique(w.client_ids)) <= set(tiny.client_ids.tolist())
+    assert w.arrival_s.min() >= 0.0 and w.arrival_s.max() < 3600.0 and (w.max_tokens == 0).all()
+    w3 = servegen_trace(tiny, start_s=0.0, minutes=60.0, rng=np.random.default_rng(5))
     assert not np.array_equal(w.arrival_s, w3.arrival_s)
 
 
@@ -144,10 +144,11 @@ def test_real_m_large_default_slice():
     r = servegen_requests(data, start_s=start, minutes=10.0, rng=np.random.default_rng(0))
     got = np.bincount(np.searchsorted(data.client_ids, r.client_id), minlength=len(data.client_ids))
     assert np.array_equal(got, data.count[:, t0])
-    types = servegen_types(data, start_s=start, minutes=60.0)
-    w = servegen_workload(data, types, start_s=start, minutes=60.0, rng=np.random.default_rng(0),
-                          rate_scale=20.0 / slice_mean_rps(data, start, 60.0))
+    w = servegen_trace(data, start_s=start, minutes=60.0, rng=np.random.default_rng(0),
+                       rate_scale=20.0 / slice_mean_rps(data, start, 60.0))
     assert len(w) == pytest.approx(20.0 * 3600, rel=0.02)
-    mix = np.array([np.bincount(w.type_index[(w.arrival_s // 600) == j], minlength=4) for j in range(6)], float)
+    types = fit_types(w.input_tokens, w.output_tokens)
+    kind = types.classify(w.input_tokens, w.output_tokens)
+    mix = np.array([np.bincount(kind[(w.arrival_s // 600) == j], minlength=4) for j in range(6)], float)
     mix /= mix.sum(axis=1, keepdims=True)
     assert (mix.max(axis=0) - mix.min(axis=0)).max() > 0.2  # the mix shifts within the hour

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from oserve.capacity import CapacityTable, FixedLengths
 from oserve.perfmodel import Batch, PerfModel
-from oserve.sim.engine import SimReplica, SimRequest, TokenHistogram
+from oserve.engine_model import SimReplica, SimRequest, TokenHistogram
 from oserve.specs import GPUS, EngineConfig, ReplicaShape, kv_capacity_tokens, model_preset
 
 H100 = GPUS["h100-80gb"]

@@ -28,20 +28,21 @@ last stage is taken as one KV block (decoding adds a token per step; a stage cop
 The fixed part (stop on the source, handshake, resume on the destination) dominates; Llumnix reports
 downtimes of a few tens of milliseconds regardless of length.
 
-Deployments are static (`StaticPolicy.decide`): Llumnix balances load, it does not reshape the cluster.
+Deployments are static (the vllm-static deployment): Llumnix balances load, it does not reshape the
+cluster. Its dispatch sees loads only; its migration planner, like Llumnix's llumlets inside the
+engines, sees each replica's running requests and their contexts (never their output lengths).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
+from oserve.engine_model import SimReplica
 from oserve.errors import ConfigError
-from oserve.sim.cluster import Decision, Migration, SpanView
-from oserve.sim.engine import SimReplica, SimRequest
-from oserve.specs import Deployment, stage_kv_bytes_per_token
-
-if TYPE_CHECKING:  # policies.py builds this policy: import it lazily, so that it can import this module
-    from oserve.sim.policies import PlanningContext
+from oserve.evaluation.baselines import StaticPolicy
+from oserve.routing import ReplicaLoad
+from oserve.sim.kernel import Migration
+from oserve.specs import ClusterSpec, Deployment, ModelSpec, stage_kv_bytes_per_token
 
 
 def virtual_blocks(rep: SimReplica) -> float:
@@ -55,14 +56,22 @@ def freeness_tokens(rep: SimReplica) -> float:
     return free / max(1, rep.num_running)
 
 
+def load_freeness_tokens(load: ReplicaLoad) -> float:
+    """`freeness_tokens` from what a router sees of a replica (its load report). Pure."""
+    capacity = load.kv_capacity_tokens
+    free = capacity - load.kv_load_frac * capacity - load.incoming_kv_tokens
+    return free / max(1, load.num_running)
+
+
 def _max_seqs(rep: SimReplica) -> int:
     return rep.engine.max_num_seqs * rep.shape.pp
 
 
-class LlumnixPolicy:
+class LlumnixPolicy(StaticPolicy):
     """Static deployment, freeness dispatch, periodic live migration off overloaded replicas."""
 
-    def __init__(self, ctx: PlanningContext, deployment: Deployment, *, name: str = "llumnix",
+    def __init__(self, deployment: Deployment, num_classes: int, model: ModelSpec, cluster: ClusterSpec, *,
+                 name: str = "llumnix",
                  migration_interval_s: float | None = 0.5, migrate_out_freeness_tokens: float = 256.0,
                  migrate_in_freeness_tokens: float = 1024.0, max_migrations_per_pair: int = 1,
                  migration_fixed_s: float = 0.02, migration_link_frac: float = 0.5) -> None:
@@ -87,36 +96,30 @@ class LlumnixPolicy:
         if max_migrations_per_pair < 1 or migration_fixed_s < 0 or not 0 < migration_link_frac <= 1:
             raise ConfigError(f"LlumnixPolicy: invalid max_migrations_per_pair={max_migrations_per_pair}, "
                               f"migration_fixed_s={migration_fixed_s} or migration_link_frac={migration_link_frac}")
-        from oserve.sim.policies import StaticPolicy
-
-        self.ctx = ctx
-        self.name = name
+        super().__init__(deployment, num_classes, name)
+        self.model, self.cluster = model, cluster
         self.migration_interval_s = migration_interval_s
         self.migrate_out_freeness_tokens = migrate_out_freeness_tokens
         self.migrate_in_freeness_tokens = migrate_in_freeness_tokens
         self.max_migrations_per_pair = max_migrations_per_pair
         self.migration_fixed_s = migration_fixed_s
         self.migration_link_frac = migration_link_frac
-        self._static = StaticPolicy(ctx, deployment, name=name)
 
-    def decide(self, view: SpanView) -> Decision | None:
-        return self._static.decide(view)
-
-    def route(self, req: SimRequest, replicas: list[SimReplica]) -> int | None:
+    def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
         """The accepting replica of highest freeness (ties: fewer requests, then the lower index)."""
         best, best_key = None, None
-        for k, r in enumerate(replicas):
+        for k, r in enumerate(loads):
             if not r.accepting:
                 continue
-            key = (-freeness_tokens(r), r.num_requests)
+            key = (-load_freeness_tokens(r), r.num_requests)
             if best_key is None or key < best_key:
                 best, best_key = k, key
         return best
 
     def migration_times(self, context_tokens: int, src: SimReplica, dst: SimReplica) -> tuple[float, float]:
         """(precopy_s, downtime_s) of moving a request with this context from `src` to `dst` (module doc). Pure."""
-        per_token_bytes = max(stage_kv_bytes_per_token(self.ctx.model, src.shape))
-        cluster = self.ctx.cluster
+        per_token_bytes = max(stage_kv_bytes_per_token(self.model, src.shape))
+        cluster = self.cluster
         nodes = {cluster.node_of(g) for g in (*src.gpu_ids, *dst.gpu_ids)}
         link = cluster.nvlink_bytes_per_s if len(nodes) <= 1 else cluster.network_bytes_per_s
         bytes_per_s = link * self.migration_link_frac

@@ -7,7 +7,7 @@ async with await OServeClient.connect("nats://127.0.0.1:4222") as client:
 
 Errors are typed: `RequestRejected` (the system answered with a structured error: `code`, `message`),
 `RequestTimeout` (no answer within the timeout), `NoGateway` (nobody listens on the submit subject).
-This module sits outside the pure core on purpose: it imports nats.
+It is part of the bus contract (`oserve.streams`), outside the pure core: it imports nats.
 """
 
 from __future__ import annotations
@@ -75,12 +75,15 @@ class OServeClient:
     async def submit(self, *, prompt: str | None = None, input_tokens: int | None = None,
                      max_tokens: int | None = None, output_hint_tokens: int | None = None,
                      tags: Mapping[str, str] | None = None, request_id: str | None = None,
-                     timeout_s: float | None = None) -> Reply:
-        """Submit one request and await its reply; raises `RequestRejected`, `RequestTimeout`, `NoGateway`."""
+                     timeout_s: float | None = None, sim_output_tokens: int | None = None) -> Reply:
+        """Submit one request and await its reply; raises `RequestRejected`, `RequestTimeout`, `NoGateway`.
+
+        `sim_output_tokens` is for simulated engines only (`SubmitRequest.sim_output_tokens`)."""
         if (prompt is None) == (input_tokens is None):
             raise ValueError("give exactly one of prompt (text) and input_tokens (a count)")
         req = SubmitRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, input_tokens=input_tokens,
-                            max_tokens=max_tokens, output_hint_tokens=output_hint_tokens, tags=dict(tags or {}))
+                            max_tokens=max_tokens, output_hint_tokens=output_hint_tokens, tags=dict(tags or {}),
+                            sim_output_tokens=sim_output_tokens)
         return await self.submit_raw(encode(req), req.request_id, timeout_s)  # type: ignore[return-value]
 
     async def submit_raw(self, payload: bytes, request_id: str = "", timeout_s: float | None = None) -> Reply | Pong:

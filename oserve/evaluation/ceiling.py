@@ -3,11 +3,12 @@
 OServe's gain over `vllm-static` comes from the deployment it picks (replica shapes that suit the
 mix, types kept apart) and from switching when the mix moves. The first part can be bounded by
 measurement: simulate every deployment the cluster can hold (each multiset of replica shapes that
-uses all its GPUs, up to `max_replicas` replicas) on the whole workload, each routed as OServe
-routes (the exact even assignment of the workload's mean rates gives each type its replicas; among
-them, the least loaded), and keep the lowest P99. That is the best any planner can do by choosing
-one such deployment for this routing; beating it takes switching, re-routing as the mix moves, or
-another router. One run per deployment, so the ranking carries the noise of one P99 sample.
+uses all its GPUs, up to `max_replicas` replicas) on the whole window, each routed as OServe routes
+(its gateway classes each request at arrival; the exact even assignment of the window's mean class
+rates gives each class its replicas; among them, the least loaded), and keep the lowest P99. That is
+the best a planner can do by choosing one such deployment for this routing, with hindsight (the mean
+rates are the window's); beating it takes switching, re-routing as the mix moves, or another router.
+One run per deployment, so the ranking carries the noise of one P99 sample.
 
 Exhaustive, so costly: a 16-GPU Llama-2-70B cluster has tens of such deployments of up to four
 replicas, each a full simulation of the workload.
@@ -22,14 +23,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oserve.capacity import CapacityTable
+from oserve.decision import Decision
 from oserve.errors import ConfigError, InfeasibleError
+from oserve.evaluation.policies import Gateway
+from oserve.planner.candidates import assign_even, weights_for
+from oserve.planner.prior import Prior, client_tag
+from oserve.planner.twin import ArrivalPattern
 from oserve.scheduler.packing import place
-from oserve.sim.cluster import SimConfig, SimResult, simulate
-from oserve.sim.policies import assign_even, least_loaded_among, weights_for
-from oserve.sim.twin import FixedPolicy
-from oserve.sim.workloads import Workload
-from oserve.specs import ClusterSpec, Deployment, GPUSpec, ModelSpec, ReplicaShape
+from oserve.sim.kernel import SimConfig, SimResult, SpanView, simulate
+from oserve.specs import ClusterSpec, Deployment, ModelSpec, ReplicaShape
+from oserve.traces import Trace
 
 
 def deployment_multisets(shapes: Sequence[ReplicaShape], num_gpus: int,
@@ -47,12 +50,26 @@ def deployment_multisets(shapes: Sequence[ReplicaShape], num_gpus: int,
     return out
 
 
-def fixed_deployment_policy(deployment: Deployment, table: CapacityTable, rates: np.ndarray) -> FixedPolicy:
-    """One deployment for the whole run, routed as OServe routes: each type to the replicas the exact
-    even assignment of `rates` gives it, and among them to the least loaded. Pure."""
-    n = table.matrix(deployment.shapes())
-    return FixedPolicy(deployment, weights_for(assign_even(np.asarray(rates, dtype=float), n), n),
-                       least_loaded_among, name="fixed")
+class FixedDeploymentPolicy(Gateway):
+    """One deployment for the whole run, routed as OServe routes: the gateway classes each request at
+    arrival, and the least loaded of the replicas `weights` give its class takes it."""
+
+    def __init__(self, prior: Prior, deployment: Deployment, weights: tuple[tuple[float, ...], ...],
+                 name: str = "fixed") -> None:
+        super().__init__(name, len(prior.class_names), prior.fresh_estimator())
+        self.decision = Decision(deployment, weights, 0.0, (), name)
+
+    def plan(self, view: SpanView, counts: np.ndarray, pattern: ArrivalPattern) -> Decision | None:
+        return self.decision if view.current is None else None
+
+
+def mean_class_rates(prior: Prior, window: Trace) -> np.ndarray:
+    """The window's mean arrival rate per class, each request classed as the gateway would class it at
+    arrival (with hindsight: the window's own requests)."""
+    est = prior.fresh_estimator()
+    classes = [est.predict_one(int(i), tag=client_tag(int(c)), max_tokens=int(m) or None)
+               for i, c, m in zip(window.input_tokens, window.client_ids, window.max_tokens)]
+    return np.bincount(classes, minlength=len(prior.class_names)) / max(window.duration_s, 1e-9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +90,17 @@ class FixedOutcome:
         return (self.dropped, self.p99_e2e_s, len(self.shapes))
 
 
-def fixed_deployment_outcomes(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, workload: Workload,
-                              table: CapacityTable, max_replicas: int = 4, sim: SimConfig = SimConfig(),
+def fixed_deployment_outcomes(model: ModelSpec, cluster: ClusterSpec, window: Trace, prior: Prior,
+                              max_replicas: int = 4, sim: SimConfig = SimConfig(),
                               progress: Callable[[int, int], None] | None = None) -> list[FixedOutcome]:
     """Every deployment of `deployment_multisets` that packs on `cluster`, simulated on the whole
-    `workload` with `fixed_deployment_policy` at the workload's mean rates; best first (`FixedOutcome.key`).
+    `window` with a `FixedDeploymentPolicy` for the window's mean class rates; best first (`FixedOutcome.key`).
 
     Raises:
         InfeasibleError: no deployment of at most `max_replicas` replicas uses the cluster exactly.
     """
-    k = len(table.type_names)
-    duration = max(workload.duration_s, 1e-9)
-    rates = np.bincount(workload.type_index, minlength=k).astype(float) / duration
+    table = prior.table
+    rates = mean_class_rates(prior, window)
     combos = deployment_multisets(table.shapes(cluster.num_gpus), cluster.num_gpus, max_replicas)
     placed = []
     for combo in combos:
@@ -97,10 +113,10 @@ def fixed_deployment_outcomes(model: ModelSpec, gpu: GPUSpec, cluster: ClusterSp
                               f"GPUs of {cluster.name}")
     out = []
     for i, (combo, dep) in enumerate(placed):
-        res: SimResult = simulate(model, gpu, cluster, workload.arrival_s, workload.input_tokens,
-                                  workload.output_tokens, workload.type_index, k,
-                                  fixed_deployment_policy(dep, table, rates), sim)
-        p99 = res.percentile("e2e", 99) if (~res.dropped).any() else math.inf
+        n = table.matrix(dep.shapes())
+        policy = FixedDeploymentPolicy(prior, dep, weights_for(assign_even(rates, n), n))
+        res: SimResult = simulate(model, cluster.gpu, cluster, window, policy, sim)
+        p99 = res.percentile("e2e", 99)
         out.append(FixedOutcome(combo, p99 if math.isfinite(p99) else math.inf, int(res.dropped.sum())))
         if progress is not None:
             progress(i + 1, len(placed))

@@ -1,0 +1,26 @@
+"""Defaults shared by several components, each defined once with its reason. Pure constants.
+
+A component's config takes its default from here, so the simulator, the planner, the switch planner
+and the live workers agree unless a caller sets a value on purpose.
+"""
+
+SPAN_S = 60.0
+"""Forecasting and planning span (seconds): the paper forecasts per-type arrivals a minute ahead and
+re-plans each minute; a shorter span makes forecasts noisier (Poisson), a longer one reacts late."""
+
+GPUS_PER_NODE = 8
+"""GPUs per node: an H100 HGX/DGX node, the paper's testbed and Vidur's profiled collectives."""
+
+ENGINE_START_S = 8.0
+"""Starting an engine on GPUs that already hold, or are receiving, its weights: process start, KV
+allocation, CUDA-graph capture. The paper measures about 10 s for a whole GPU-to-GPU switch, of which
+the weight copy over NVLink is the smaller part; a reload adds reading the weights from disk."""
+
+MIGRATE_MIN_CONTEXT_TOKENS = 512
+"""On a switch, a running request with at least this much context moves with its KV cache; a shorter
+one drains on its old replica (most finish while the switch runs) or is recomputed on a new one.
+Re-prefilling 512 tokens of Llama-2-70B on TP4 costs 46 ms in the performance model; copying their KV
+over NVLink at 80% of 400 GB/s costs 0.13 ms plus the hand-off, so long contexts are worth moving."""
+
+WORKER_NAMES: tuple[str, ...] = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
+"""The services of the live pipeline, as `oserve worker NAME` and `SystemConfig.workers` name them."""

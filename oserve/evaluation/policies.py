@@ -1,0 +1,139 @@
+"""The gateway every simulated policy runs, OServe's policy, and the perfect-forecast reference. Pure.
+
+`Gateway` does what the live gateway does (`oserve.workers.gateway`), as the simulator drives it: it
+classifies each arrival once with the online estimator (`oserve.online_types.OnlineTypes`, copied
+from the prior fitted on history), counts arrivals per span by that class and keeps the last span's
+arrival pattern, learns the estimator from each span's completions (true lengths, known only now),
+and routes by the one rule (`oserve.routing.least_loaded`) among the replicas the decision allows.
+Policies differ in how they decide, not in what they may see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from oserve.decision import Decision
+from oserve.forecast.base import Forecaster
+from oserve.forecast.rates import RateForecaster
+from oserve.planner.config import PlannerConfig
+from oserve.planner.context import PlanningContext
+from oserve.planner.oserve import OServePlanner
+from oserve.online_types import OnlineTypes
+from oserve.planner.prior import Prior, client_tag
+from oserve.planner.twin import ArrivalPattern
+from oserve.routing import ReplicaLoad, least_loaded
+from oserve.sim.kernel import ArrivalInfo, SpanView
+from oserve.traces import Trace
+
+
+class Gateway:
+    """Classify, count and route as a gateway does (see the module docstring); subclasses decide.
+
+    Without an `estimator` every request is class 0: for policies that route every request alike
+    (static, Llumnix, Dynamo), whose decisions do not depend on classes.
+    """
+
+    def __init__(self, name: str, num_classes: int, estimator: OnlineTypes | None = None) -> None:
+        self.name = name
+        self.k = num_classes
+        self.estimator = estimator
+        self.current: Decision | None = None
+        self._span_start_s = 0.0
+        self._counts = np.zeros(self.k)
+        self._offsets: list[float] = []
+        self._classes: list[int] = []
+
+    @property
+    def classifies(self) -> bool:
+        return self.estimator is not None
+
+    # --- at arrival --------------------------------------------------------------------------------
+
+    def classify(self, arrival: ArrivalInfo) -> int:
+        if self.estimator is None:
+            cls = 0
+        else:
+            cls = self.estimator.predict_one(arrival.input_tokens, tag=client_tag(arrival.client_id),
+                                             max_tokens=arrival.max_tokens or None)
+        self._counts[cls] += 1
+        self._offsets.append(arrival.arrival_s - self._span_start_s)
+        self._classes.append(cls)
+        return cls
+
+    def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
+        return least_loaded(loads, self.current.eligible(class_index) if self.current is not None else None)
+
+    # --- at a span boundary -------------------------------------------------------------------------
+
+    def close_span(self, view: SpanView) -> tuple[np.ndarray, ArrivalPattern]:
+        """Learn the span's completions; return its per-class arrival counts and arrival pattern, and
+        start counting the next span."""
+        if self.estimator is not None:
+            for c in view.completed:
+                self.estimator.learn_one(c.input_tokens, c.output_tokens, tag=client_tag(c.client_id),
+                                         max_tokens=c.max_tokens or None)
+        counts = self._counts
+        pattern = ArrivalPattern(np.array(self._offsets), np.array(self._classes, dtype=np.int64), view.span_s)
+        self._counts, self._offsets, self._classes = np.zeros(self.k), [], []
+        self._span_start_s = view.now_s
+        return counts, pattern
+
+    def decide(self, view: SpanView) -> Decision | None:
+        counts, pattern = self.close_span(view)
+        decision = self.plan(view, counts, pattern)
+        if decision is not None:
+            self.current = decision
+        return decision
+
+    def plan(self, view: SpanView, counts: np.ndarray, pattern: ArrivalPattern) -> Decision | None:
+        """The subclass's decision for the coming span (None: keep the current one)."""
+        raise NotImplementedError
+
+
+class OServePolicy(Gateway):
+    """OServe: forecast per-class rates, then `OServePlanner.plan`, the live scheduler's very call."""
+
+    def __init__(self, ctx: PlanningContext, prior: Prior, forecaster: Forecaster, span_s: float,
+                 config: PlannerConfig = PlannerConfig(), name: str = "oserve") -> None:
+        super().__init__(name, len(prior.class_names), prior.fresh_estimator())
+        self.planner = OServePlanner(ctx, config)
+        forecaster.fit(prior.counts)
+        self.rates = RateForecaster(forecaster, span_s)
+
+    def next_rates(self, view: SpanView, counts: np.ndarray) -> np.ndarray:
+        """The forecast for the coming span (the first from the history alone)."""
+        if view.current is not None:
+            self.rates.observe(counts)
+        return self.rates.rates_rps()
+
+    def plan(self, view: SpanView, counts: np.ndarray, pattern: ArrivalPattern) -> Decision | None:
+        rates = self.next_rates(view, counts)
+        # the first deployment is scored on a long Poisson span: there is no span of this window yet
+        recent = pattern if view.current is not None else None
+        return self.planner.plan(rates, view.current, recent, view.span_s)
+
+
+class PerfectForecastPolicy(OServePolicy):
+    """A reference, not a product: OServe's planner told the coming span's true per-class counts and
+    arrival times (each request classed as the gateway would class it), switching for free (retired
+    replicas finish their requests, new ones serve at once). It is handed the window it serves."""
+
+    def __init__(self, ctx: PlanningContext, prior: Prior, forecaster: Forecaster, span_s: float, window: Trace,
+                 config: PlannerConfig = PlannerConfig(), name: str = "perfect-forecast") -> None:
+        from dataclasses import replace
+
+        super().__init__(ctx, prior, forecaster, span_s, replace(config, free_switching=True), name)
+        self.window = window
+
+    def plan(self, view: SpanView, counts: np.ndarray, pattern: ArrivalPattern) -> Decision | None:
+        lo, hi = np.searchsorted(self.window.arrival_s, [view.now_s, view.now_s + view.span_s], side="left")
+        assert self.estimator is not None
+        classes = np.array([self.estimator.predict_one(int(self.window.input_tokens[i]),
+                                                       tag=client_tag(int(self.window.client_ids[i])),
+                                                       max_tokens=int(self.window.max_tokens[i]) or None)
+                            for i in range(lo, hi)], dtype=np.int64)
+        rates = np.bincount(classes, minlength=self.k) / view.span_s
+        future = ArrivalPattern(self.window.arrival_s[lo:hi] - view.now_s, classes, view.span_s)
+        return self.planner.plan(rates, view.current, future, view.span_s)

@@ -1,0 +1,93 @@
+"""Every simulated policy by name: what it is, and how it is built from one `Setup`. Pure.
+
+All of them run the same gateway (`oserve.evaluation.policies.Gateway`): classes estimated at arrival,
+learned at completion, the least-loaded routing rule among the replicas a decision allows (Llumnix
+dispatches by its freeness, vllm-static-rr by round robin: they are those baselines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from oserve.errors import UnknownNameError
+from oserve.evaluation.baselines import ReloadPolicy, RoundRobinPolicy, StaticPolicy
+from oserve.evaluation.dynamo import DynamoPolicy
+from oserve.evaluation.llumnix import LlumnixPolicy
+from oserve.evaluation.policies import OServePolicy, PerfectForecastPolicy
+from oserve.forecast.registry import make_forecaster
+from oserve.planner.config import PlannerConfig
+from oserve.planner.context import PlanningContext
+from oserve.planner.prior import Prior
+from oserve.sim.kernel import Policy
+from oserve.specs import ClusterSpec, Deployment, ModelSpec
+from oserve.traces import Trace
+
+
+@dataclass(frozen=True, eq=False)
+class Setup:
+    """What the policies of one comparison are built from."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    ctx: PlanningContext
+    prior: Prior
+    """Fitted on the scenario's history only."""
+    history: Trace
+    history_s: float
+    static: Deployment
+    """The homogeneous deployment chosen for the static baselines before the window."""
+    span_s: float
+    planner: PlannerConfig
+    forecaster: str
+    """Forecaster kind of the forecasting policies (`oserve.forecast.registry`)."""
+    window: Trace
+    """The requests served. Only the perfect-forecast reference is handed it."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.prior.class_names)
+
+    def new_forecaster(self):
+        return make_forecaster(self.forecaster, len(self.prior.class_names))
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    description: str
+    build: Callable[[Setup], Policy]
+    reference: bool = False
+    """Not a product: told what no real system knows (reported as a gap, never as a baseline)."""
+
+
+_SPECS = (
+    PolicySpec("oserve", "OServe: per-class forecast, deployment chosen on the digital twin, GPU-to-GPU switches",
+               lambda s: OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner)),
+    PolicySpec("vllm-static", "the best homogeneous deployment (chosen on the history), least-loaded routing",
+               lambda s: StaticPolicy(s.static, s.num_classes)),
+    PolicySpec("vllm-static-rr", "the same static deployment with round-robin routing (vLLM's router)",
+               lambda s: RoundRobinPolicy(s.static, s.num_classes)),
+    PolicySpec("vllm-reload", "the best homogeneous deployment for each span's forecast, switched by reloading",
+               lambda s: ReloadPolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner)),
+    PolicySpec("llumnix", "the static deployment, freeness dispatch and live migration of running requests",
+               lambda s: LlumnixPolicy(s.static, s.num_classes, s.model, s.cluster)),
+    PolicySpec("dynamo", "the static shape, replica count scaled from an aggregate forecast, KV-aware routing",
+               lambda s: DynamoPolicy(s.ctx, s.prior, s.static.replicas[0].shape, s.history, s.history_s,
+                                      s.span_s)),
+    PolicySpec("perfect-forecast", "reference: OServe's planner told the next span's true arrivals, "
+                                   "switching for free", lambda s: PerfectForecastPolicy(
+                                       s.ctx, s.prior, s.new_forecaster(), s.span_s, s.window, s.planner),
+               reference=True),
+)
+POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in _SPECS}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+BASELINES: tuple[str, ...] = tuple(n for n, s in POLICIES.items() if n != "oserve" and not s.reference)
+STATIC_POLICIES = ("vllm-static", "vllm-static-rr", "llumnix", "dynamo")
+"""Policies that need the static deployment chosen before the window."""
+
+
+def policy_spec(name: str) -> PolicySpec:
+    if name not in POLICIES:
+        raise UnknownNameError("policy", name, POLICY_NAMES)
+    return POLICIES[name]

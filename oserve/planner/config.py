@@ -1,0 +1,84 @@
+"""Every threshold of OServe's planner, named, with its reason; one frozen object. Pure.
+
+The defaults of the thresholds marked "tuned" come from `oserve bench tune` on the tuning scenarios
+(`oserve.evaluation.tuning.TUNING_SET`); `oserve bench e2e` reports on the disjoint test set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from oserve.errors import ConfigError
+from oserve.planner.twin import TwinConfig
+from oserve.scheduler import SEARCHES
+from oserve.scheduler.search import SearchConfig
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """How OServe's planner searches, scores and decides to switch."""
+
+    search: str = "milp"
+    """Deployment search (`oserve.scheduler.search`) whose plans seed the candidates."""
+    search_config: SearchConfig = field(default_factory=lambda: SearchConfig(fewer_replicas_slack=0.02))
+    """Its settings; without the twin, the plan it returns is the one deployed."""
+    candidate_slacks: tuple[float, ...] = (0.0, 0.02, 0.05)
+    """The MILP is solved once per slack of its fewest-replicas phase (headroom traded for fewer replicas),
+    each answer a candidate. Llama-2-70B's best deployments lie within a few percent of each other in
+    the capacity table while their tails differ by tens of percent, so a few slacks give the twin real
+    choices to tell apart."""
+    num_homogeneous_candidates: int = 3
+    """The best homogeneous deployments for the forecast's mix, by modelled capacity, are candidates too:
+    when the mix is even, a uniform deployment is often the best, and the MILP's tie-breaking may miss it."""
+    twin: TwinConfig | None = field(default_factory=TwinConfig)
+    """Score candidates on the digital twin; None: the capacity model alone decides (the MILP's plan,
+    switched by `busy_peak_utilisation` / `min_peak_drop`)."""
+    rescore_change: float = 0.1
+    """Candidates are rescored only when the forecast moved (relative L1 from the rates last scored) by
+    more than this and than twice what Poisson noise explains: a rescore costs a second or more."""
+    switch_gain: float = 0.1
+    """Tuned. Switch only to a deployment whose twin score beats what runs by this fraction: the best of
+    several candidates on one synthetic span looks better than it is (selection on noise)."""
+    max_switch_loss_frac: float = 0.1
+    """A switch may take out of service at most this fraction of the span's demand (capacity of the
+    replicas leaving times the switching time): beyond it, the switch costs more than a span gains."""
+    neighbour_steps: int = 2
+    """Moves of steepest descent on the twin from the best candidate (a replica reshaped, split, or two
+    merged; `oserve.planner.neighbours`); 0 turns the search off."""
+    neighbour_min_gain: float = 0.1
+    """Tuned. A move must beat the current score by this fraction (the bar a switch must clear too): the
+    best of thirty neighbours on one synthetic span looks better than it is."""
+    neighbour_capacity_slack: float = 0.05
+    """Tuned. A neighbour's peak utilisation for the forecast may exceed the candidates' lowest by at most
+    this fraction: the twin scores one span at the forecast's load, and a deployment that trades
+    capacity for speed there is overrun when the load rises."""
+    min_served_gain_frac: float = 0.01
+    """Capacity model only: switch to serve more only when the new plan serves this fraction more."""
+    busy_peak_utilisation: float = 0.8
+    """Capacity model only: when both plans serve everything, switch only away from a peak replica
+    utilisation above this (queueing delay grows like 1 / (1 - utilisation)) ..."""
+    min_peak_drop: float = 0.15
+    """... and only to a plan whose peak utilisation is lower by at least this."""
+    served_tolerance_frac: float = 0.001
+    """A plan 'serves everything' when it serves all but this fraction of the demand (LP round-off)."""
+    free_switching: bool = False
+    """Switches cost nothing and retired replicas finish their requests: the perfect-forecast reference
+    (`oserve.evaluation`), never the product."""
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCHES:
+            raise ConfigError(f"PlannerConfig.search must be one of {', '.join(SEARCHES)}, got {self.search!r}")
+        if not self.candidate_slacks or any(not 0 <= s < 1 for s in self.candidate_slacks):
+            raise ConfigError(f"PlannerConfig.candidate_slacks must be fractions in [0, 1), got "
+                              f"{self.candidate_slacks}")
+        if self.num_homogeneous_candidates < 0 or self.neighbour_steps < 0:
+            raise ConfigError(f"PlannerConfig: num_homogeneous_candidates and neighbour_steps must be >= 0, got "
+                              f"{self.num_homogeneous_candidates}, {self.neighbour_steps}")
+        for name in ("rescore_change", "switch_gain", "max_switch_loss_frac", "neighbour_min_gain",
+                     "min_served_gain_frac", "busy_peak_utilisation", "min_peak_drop", "served_tolerance_frac"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ConfigError(f"PlannerConfig.{name} must be in [0, 1), got {value!r}")
+        if not self.neighbour_capacity_slack >= 0:
+            raise ConfigError(f"PlannerConfig.neighbour_capacity_slack must be >= 0, got "
+                              f"{self.neighbour_capacity_slack}")

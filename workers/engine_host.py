@@ -1,0 +1,142 @@
+"""The engine host: the engine workers of one host, started and drained on the switch planner's command.
+
+A `StartReplica` brings a replica up after the modelled weight transfer (`ready_after_s` on the
+clock) and reports `ReplicaReady`; a `DrainReplica` finishes its requests, releases it and reports
+`ReplicaDrained`. A drain that arrives while the replica is still starting cancels the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry.trace import Tracer
+
+from oserve.defaults import GPUS_PER_NODE
+from oserve.errors import ConfigError
+from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaReady, SchemaError, StartReplica,
+                                    decode, encode)
+from oserve.streams.subjects import Subjects
+from oserve.workers.backends import SimBackendConfig
+from oserve.workers.base import Worker
+from oserve.workers.clock import Clock
+from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHostConfig:
+    host_id: str = "local"
+    subjects: Subjects = field(default_factory=Subjects)
+    model: str = "llama2-7b"
+    gpu: str = "h100-80gb"
+    gpus_per_node: int = GPUS_PER_NODE
+    backend: str = "sim"
+    """`sim` or `echo` (see `EngineWorkerConfig.backend`)."""
+    heartbeat_interval_wall_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.subjects.host_control(self.host_id)  # validates the id as a subject token
+        if self.backend not in ("sim", "echo") or self.heartbeat_interval_wall_s <= 0 or self.gpus_per_node < 1:
+            raise ConfigError(f"EngineHostConfig: invalid values {self}")
+
+
+class EngineHost(Worker):
+    """Engine workers of one host, started and drained on command."""
+
+    name = "engine-host"
+
+    def __init__(self, nc: NATS, config: EngineHostConfig, clock: Clock, *, tracer: Tracer | None = None) -> None:
+        super().__init__()
+        self.nc, self.config, self.clock, self.tracer = nc, config, clock, tracer
+        self.engines: dict[str, EngineWorker] = {}
+        self._retiring: dict[str, EngineWorker] = {}  # replica_id -> engine being drained on command
+        self._starting: set[str] = set()
+        self._cancelled_starts: set[str] = set()  # replica ids drained while starting; honoured after the sleep
+        self._queue: asyncio.Queue[tuple[StartReplica | DrainReplica, dict | None]] = asyncio.Queue()
+
+    async def _subscribe(self) -> list:
+        return [await self.nc.subscribe(self.config.subjects.host_control(self.config.host_id), cb=self._on_command)]
+
+    def _loops(self):
+        return [self._command_loop]
+
+    async def _on_command(self, msg: Msg) -> None:
+        try:
+            cmd = decode(msg.data, HostCommand)
+        except SchemaError:
+            return
+        self._queue.put_nowait((cmd, msg.headers))  # type: ignore[arg-type]
+
+    async def _command_loop(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                cmd, headers = await self._queue.get()
+                tg.create_task(self._run(cmd, headers))
+
+    async def _run(self, cmd, headers) -> None:
+        try:
+            if isinstance(cmd, StartReplica):
+                await self._start_replica(cmd, headers)
+            else:
+                await self._drain_replica(cmd, headers)
+        except Exception:  # outermost for one command: the switch planner times out and rolls back
+            log.exception("%s: command %s failed", self.config.host_id, cmd)
+
+    async def _start_replica(self, cmd: StartReplica, headers) -> None:
+        rid = cmd.replica.replica_id
+        if rid not in self.engines and rid not in self._starting:
+            self._starting.add(rid)
+            try:
+                await self.clock.sleep(cmd.ready_after_s)  # the modelled weight transfer
+                if rid in self._cancelled_starts:  # drained while it started: never serves
+                    log.info("%s: start of %s cancelled by a drain", self.config.host_id, rid)
+                    return
+                cfg = EngineWorkerConfig(rid, subjects=self.config.subjects,
+                                         backend=self.config.backend,  # type: ignore[arg-type]
+                                         sim=SimBackendConfig(self.config.model, self.config.gpu, cmd.replica.tp,
+                                                              cmd.replica.pp, self.config.gpus_per_node),
+                                         heartbeat_interval_wall_s=self.config.heartbeat_interval_wall_s)
+                engine = EngineWorker(self.nc, cfg, self.clock, tracer=self.tracer)
+                await engine.start()
+                if rid in self._cancelled_starts:  # the drain came while it subscribed
+                    await engine.stop()
+                    return
+                self.engines[rid] = engine
+            finally:
+                self._starting.discard(rid)
+                self._cancelled_starts.discard(rid)
+        if rid in self.engines:
+            await self.nc.publish(self.config.subjects.plan_event("replica"),
+                                  encode(ReplicaReady(strategy_id=cmd.strategy_id, replica_id=rid)), headers=headers)
+
+    async def _drain_replica(self, cmd: DrainReplica, headers) -> None:
+        engine = self.engines.pop(cmd.replica_id, None)
+        if engine is None:
+            if cmd.replica_id in self._starting:  # still loading: cancel the start, nothing to drain
+                self._cancelled_starts.add(cmd.replica_id)
+                await self.nc.publish(self.config.subjects.plan_event("replica"),
+                                      encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
+                                      headers=headers)
+            return
+        self._retiring[cmd.replica_id] = engine  # the host's own drain and stop still see it
+        await engine.drain()
+        await engine.stop()
+        self._retiring.pop(cmd.replica_id, None)  # not on cancellation: the host's stop stops it
+        await self.nc.publish(self.config.subjects.plan_event("replica"),
+                              encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
+                              headers=headers)
+
+    async def _drain(self) -> None:
+        await asyncio.gather(*(e.drain() for e in [*self.engines.values(), *self._retiring.values()]))
+
+    async def _on_stop(self) -> None:
+        for e in [*self.engines.values(), *self._retiring.values()]:
+            await e.stop()
+            await e.fail_inflight()  # stopped mid-drain: each client gets an error, not silence
+        self.engines.clear()
+        self._retiring.clear()

@@ -1,0 +1,179 @@
+"""The scheduler worker: forecast events -> OServe's planner -> strategy events (and the KV bucket).
+
+It calls `oserve.planner.OServePlanner.plan` — the very call the simulator's OServe policy makes —
+with the forecast's rates, the decision in force and the arrivals the gateway saw in the span that
+just closed (read from its `Arrived` events: offsets and classes, never output lengths). The decision
+goes to the strategy KV bucket (so a restarted scheduler resumes from the deployment in force) and out
+as a `StrategyChosen` event. Planning runs in a thread: the event loop keeps serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from opentelemetry.trace import SpanKind, Tracer
+
+from oserve.decision import Decision
+from oserve.defaults import SPAN_S
+from oserve.errors import ConfigError
+from oserve.observability.tracing import extract, inject
+from oserve.planner.oserve import OServePlanner
+from oserve.planner.twin import ArrivalPattern
+from oserve.specs import Deployment, Replica, ReplicaShape
+from oserve.streams.schemas import Arrived, ForecastMade, ReplicaSpec, SchemaError, StrategyChosen, decode, encode
+from oserve.streams.subjects import Subjects
+from oserve.workers.base import Worker
+from oserve.workers.clock import Clock
+
+log = logging.getLogger(__name__)
+MSG_ID = "Nats-Msg-Id"  # JetStream stores a message once per id within the stream's duplicate window
+
+
+def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int) -> StrategyChosen:
+    """The bus form of a decision. Pure."""
+    reps = decision.deployment.replicas
+    return StrategyChosen(
+        strategy_id=strategy_id, span_index=span_index,
+        replicas=[ReplicaSpec(replica_id=r.replica_id, tp=r.shape.tp, pp=r.shape.pp, gpu_ids=list(r.gpu_ids))
+                  for r in reps],
+        weights=[{r.replica_id: float(w) for r, w in zip(reps, row)} for row in decision.weights],
+        switch_s=float(decision.switch_s), forecast_rps=[float(x) for x in decision.forecast_rps],
+        label=decision.label, scored_rps=[float(x) for x in decision.scored_rps])
+
+
+def decision_from_strategy(s: StrategyChosen) -> Decision:
+    """The decision a strategy event carries (to resume from the KV bucket). Pure."""
+    reps = tuple(Replica(r.replica_id, ReplicaShape(r.tp, r.pp), tuple(r.gpu_ids)) for r in s.replicas)
+    weights = tuple(tuple(row.get(r.replica_id, 0.0) for r in reps) for row in s.weights)
+    return Decision(Deployment(reps), weights, s.switch_s, tuple(s.forecast_rps), s.label,
+                    scored_rps=tuple(s.scored_rps))
+
+
+def rename_new(decision: Decision, old: Deployment, strategy_id: str) -> Decision:
+    """Give replicas new in `decision` ids unique to this strategy (kept ones keep theirs). Pure."""
+    old_ids = {r.replica_id for r in old.replicas}
+    reps = tuple(r if r.replica_id in old_ids else Replica(f"{strategy_id}-{r.replica_id}", r.shape, r.gpu_ids)
+                 for r in decision.deployment.replicas)
+    return Decision(Deployment(reps), decision.weights, decision.switch_s, decision.forecast_rps, decision.label,
+                    decision.drain_retired, decision.scored_rps)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    subjects: Subjects = field(default_factory=Subjects)
+    span_s: float = SPAN_S
+    """Span length on the clock (seconds); the forecasts it receives are per span."""
+
+    def __post_init__(self) -> None:
+        if not self.span_s > 0:
+            raise ConfigError(f"SchedulerConfig.span_s must be > 0, got {self.span_s}")
+
+
+class SchedulerWorker(Worker):
+    """Forecast events -> strategy events (and the KV bucket), by `OServePlanner.plan`."""
+
+    name = "scheduler"
+
+    def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock, planner: OServePlanner,
+                 initial_rps: np.ndarray, *, tracer: Tracer | None = None) -> None:
+        super().__init__()
+        self.nc, self.kv, self.config, self.clock, self.planner, self.tracer = nc, kv, config, clock, planner, tracer
+        k = len(planner.ctx.class_names)
+        self.initial_rps = np.asarray(initial_rps, dtype=float)
+        if self.initial_rps.shape != (k,):
+            raise ConfigError(f"SchedulerWorker: initial_rps needs {k} rates, got {self.initial_rps.shape}")
+        self.current: Decision | None = None
+        self.strategies: list[StrategyChosen] = []
+        self.decide_s: list[float] = []
+        """Wall seconds each plan took."""
+        self._arrivals: dict[int, list[tuple[float, int]]] = {}  # span index -> (offset_s, class) seen so far
+        self._lock = asyncio.Lock()
+        self._run_id = uuid.uuid4().hex[:12]  # message ids are unique per run of this worker
+
+    async def _subscribe(self) -> list:
+        s = self.config.subjects
+        return [await self.nc.subscribe(s.arrivals(), cb=self._on_arrived),
+                await self.nc.subscribe(s.plan_event("forecast"), cb=self._on_forecast)]
+
+    async def start(self) -> None:
+        if self._state != "new":
+            return
+        try:
+            entry = await self.kv.get(Subjects.STRATEGY_KEY)
+            s = decode(entry.value, StrategyChosen)
+            assert isinstance(s, StrategyChosen)
+            self.current = decision_from_strategy(s)  # resume: the deployment that is serving
+            self.strategies.append(s)
+        except KeyNotFoundError:
+            pass
+        await super().start()
+        if self.current is None:
+            await self._decide(-1, self.initial_rps, None, None)
+
+    async def _on_arrived(self, msg: Msg) -> None:
+        try:
+            ev = decode(msg.data, Arrived)
+        except SchemaError:
+            return
+        assert isinstance(ev, Arrived)
+        span_s = self.config.span_s
+        for a in ev.items:
+            span = int(a.at_s // span_s)
+            self._arrivals.setdefault(span, []).append((a.at_s - span * span_s, a.type_index))
+
+    def pattern(self, span_index: int) -> ArrivalPattern | None:
+        """What arrived in span `span_index` (forgetting it and anything older); None if nothing did."""
+        seen = self._arrivals.pop(span_index, [])
+        for old in [s for s in self._arrivals if s < span_index]:
+            del self._arrivals[old]
+        if not seen:
+            return None
+        offsets, classes = zip(*seen)
+        return ArrivalPattern(np.array(offsets), np.array(classes), self.config.span_s)
+
+    async def _on_forecast(self, msg: Msg) -> None:
+        try:
+            ev = decode(msg.data, ForecastMade)
+        except SchemaError:
+            return
+        assert isinstance(ev, ForecastMade)
+        try:
+            rates = np.asarray(ev.forecast_rps, dtype=float)
+            await self._decide(ev.span_index, rates, self.pattern(ev.span_index), msg.headers)
+        except Exception:  # outermost: a failed plan keeps the current strategy
+            log.exception("scheduler: planning for span %d failed", ev.span_index)
+
+    async def _decide(self, span_index: int, rates: np.ndarray, recent: ArrivalPattern | None,
+                      headers) -> StrategyChosen:
+        async with self._lock:
+            span = None
+            if self.tracer is not None:
+                span = self.tracer.start_span("scheduler.decide", context=extract(headers), kind=SpanKind.CONSUMER,
+                                              attributes={"oserve.span_index": span_index})
+            try:
+                started = time.perf_counter()
+                decision = await asyncio.to_thread(self.planner.plan, rates, self.current, recent, self.config.span_s)
+                self.decide_s.append(time.perf_counter() - started)
+                strategy_id = f"s{span_index + 1}"
+                old = self.current.deployment if self.current else Deployment.empty()
+                decision = rename_new(decision, old, strategy_id)
+                self.current = decision
+                s = strategy_from_decision(decision, strategy_id, span_index + 1)
+                await self.kv.put(Subjects.STRATEGY_KEY, encode(s))
+                headers_out = inject(span) if span is not None else {}
+                headers_out[MSG_ID] = f"{self._run_id}:{strategy_id}"
+                await self.nc.publish(self.config.subjects.plan_event("strategy"), encode(s), headers=headers_out)
+                self.strategies.append(s)
+                return s
+            finally:
+                if span is not None:
+                    span.end()

@@ -1,0 +1,195 @@
+"""The switch-planner worker: strategy -> transfer plan -> replica commands -> router flip, as a transaction.
+
+For each new strategy it plans the switch with the core switch planner (`oserve.switch.plan_switch`:
+which weight bytes each new replica's GPUs need and which GPU sends them) and publishes the plan's
+size in `SwitchPlanned`; then it starts the new replicas, waits until all report ready, flips the
+router (`AssignmentSet`) and drains the retired ones. If the new replicas are not ready in time it
+drains them again and publishes `SwitchRolledBack`, the old deployment serving throughout.
+(The engines here still take the modelled transfer time rather than moving the bytes.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+from opentelemetry.trace import SpanKind, Tracer
+
+from oserve.defaults import GPUS_PER_NODE
+from oserve.errors import ConfigError, OServeError
+from oserve.observability.tracing import extract, inject
+from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
+from oserve.streams.schemas import (AssignmentSet, DrainReplica, ReplicaDrained, ReplicaEvent, ReplicaReady,
+                                    ReplicaSpec, SchemaError, StartReplica, StrategyChosen, SwitchCompleted,
+                                    SwitchPlanned, SwitchRolledBack, decode, encode)
+from oserve.streams.subjects import Subjects
+from oserve.switch import SwitchPlan, plan_switch
+from oserve.workers.base import Worker
+from oserve.workers.clock import Clock
+
+log = logging.getLogger(__name__)
+MSG_ID = "Nats-Msg-Id"
+
+
+def deployment_of(specs: list[ReplicaSpec] | tuple[ReplicaSpec, ...]) -> Deployment:
+    """The core form of replica specs. Pure."""
+    return Deployment(tuple(Replica(r.replica_id, ReplicaShape(r.tp, r.pp), tuple(r.gpu_ids)) for r in specs))
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchPlannerConfig:
+    subjects: Subjects = field(default_factory=Subjects)
+    host_ids: tuple[str, ...] = ("local",)
+    """Engine hosts; a replica goes to the host of its first GPU's node (node % number of hosts)."""
+    gpus_per_node: int = GPUS_PER_NODE
+    ready_slack_wall_s: float = 5.0
+    """Wall seconds allowed beyond the modelled switch time before a switch is rolled back."""
+
+    def __post_init__(self) -> None:
+        if not self.host_ids or self.gpus_per_node < 1 or self.ready_slack_wall_s <= 0:
+            raise ConfigError(f"SwitchPlannerConfig: invalid values {self}")
+
+
+class SwitchPlannerWorker(Worker):
+    """Strategy events -> replica commands -> router flip, as a transaction (see the module docstring)."""
+
+    name = "switch-planner"
+
+    def __init__(self, nc: NATS, config: SwitchPlannerConfig, clock: Clock, *, tracer: Tracer | None = None,
+                 kv: KeyValue | None = None, model: ModelSpec | None = None, cluster: ClusterSpec | None = None) -> None:
+        super().__init__()
+        self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
+        self.model, self.cluster = model, cluster
+        """The model and cluster the transfer plans are made for (no plan without them)."""
+        self.current: dict[str, ReplicaSpec] = {}  # replica_id -> spec, of the serving deployment
+        self.strategy_id = ""
+        self._queue: asyncio.Queue[tuple[StrategyChosen, dict | None]] = asyncio.Queue()
+        self._ready: set[str] = set()
+        self._ready_changed = asyncio.Event()
+        self.events: list[str] = []  # switch event tags in order, for views and tests
+
+    async def _subscribe(self) -> list:
+        s = self.config.subjects
+        return [await self.nc.subscribe(s.plan_event("strategy"), cb=self._on_strategy),
+                await self.nc.subscribe(s.plan_event("replica"), cb=self._on_replica)]
+
+    def _loops(self):
+        return [self._switch_loop]
+
+    async def _on_strategy(self, msg: Msg) -> None:
+        try:
+            s = decode(msg.data, StrategyChosen)
+        except SchemaError:
+            return
+        assert isinstance(s, StrategyChosen)
+        self._queue.put_nowait((s, msg.headers))
+
+    async def _on_replica(self, msg: Msg) -> None:
+        try:
+            ev = decode(msg.data, ReplicaEvent)
+        except SchemaError:
+            return
+        if isinstance(ev, ReplicaReady):
+            self._ready.add(ev.replica_id)
+        elif isinstance(ev, ReplicaDrained):
+            self._ready.discard(ev.replica_id)
+        self._ready_changed.set()
+
+    def host_of(self, spec: ReplicaSpec) -> str:
+        node = spec.gpu_ids[0] // self.config.gpus_per_node if spec.gpu_ids else 0
+        return self.config.host_ids[node % len(self.config.host_ids)]
+
+    async def _switch_loop(self) -> None:
+        while True:
+            s, headers = await self._queue.get()
+            while not self._queue.empty():  # only the latest strategy matters
+                s, headers = self._queue.get_nowait()
+            try:
+                await self.switch(s, headers)
+            except Exception:  # outermost: report and keep the old deployment
+                log.exception("switch planner: switch to %s failed", s.strategy_id)
+                await self._publish_switch(SwitchRolledBack(strategy_id=s.strategy_id, reason="internal error"), None)
+
+    async def _publish_switch(self, ev, headers) -> None:
+        tag = ev.__struct_config__.tag
+        self.events.append(tag)
+        out = dict(headers) if headers else {}
+        out[MSG_ID] = f"{ev.strategy_id}:{tag}:{len(self.events)}"
+        await self.nc.publish(self.config.subjects.plan_event("switch"), encode(ev), headers=out)
+
+    def transfer_plan(self, s: StrategyChosen) -> SwitchPlan | None:
+        """The core switch planner's plan from the serving deployment to the strategy's (None without a
+        model and cluster, or when the plan cannot be made: the switch then goes on as modelled)."""
+        if self.model is None or self.cluster is None or not self.current:
+            return None  # no model to plan for, or nothing to copy from (the first load is from disk)
+        try:
+            return plan_switch(self.model, self.cluster, deployment_of(list(self.current.values())),
+                               deployment_of(s.replicas), planner="improved")
+        except OServeError as exc:
+            log.warning("switch planner: no transfer plan for %s: %s", s.strategy_id, exc)
+            return None
+
+    async def _command(self, spec_or_id, cmd, headers) -> None:
+        host = self.host_of(spec_or_id) if isinstance(spec_or_id, ReplicaSpec) else \
+            self.host_of(self.current.get(spec_or_id, ReplicaSpec(replica_id=spec_or_id, tp=1, pp=1, gpu_ids=[])))
+        await self.nc.publish(self.config.subjects.host_control(host), encode(cmd), headers=headers)
+
+    async def switch(self, s: StrategyChosen, headers=None) -> bool:
+        """Carry out one strategy; True when it is serving, False when rolled back."""
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("switch.execute", context=extract(headers), kind=SpanKind.CONSUMER,
+                                          attributes={"oserve.strategy_id": s.strategy_id})
+        hdr = inject(span) if span is not None else None
+        started = time.monotonic()
+        try:
+            target = {r.replica_id: r for r in s.replicas}
+            start = [r for rid, r in target.items() if rid not in self.current]
+            retire = [rid for rid in self.current if rid not in target]
+            plan = await asyncio.to_thread(self.transfer_plan, s) if start else None
+            await self._publish_switch(SwitchPlanned(
+                strategy_id=s.strategy_id, start_ids=[r.replica_id for r in start], retire_ids=retire,
+                switch_s=s.switch_s, num_transfers=len(plan.transfers) if plan else 0,
+                transfer_bytes=(plan.nvlink_bytes + plan.network_bytes + plan.local_bytes) if plan else 0,
+                modelled_transfer_s=plan.switch_seconds if plan else 0.0), hdr)
+            if start:
+                for r in start:
+                    await self._command(r, StartReplica(strategy_id=s.strategy_id, replica=r,
+                                                        ready_after_s=s.switch_s), hdr)
+                need = {r.replica_id for r in start}
+                timeout = self.clock.to_wall_s(s.switch_s) + self.config.ready_slack_wall_s
+
+                async def all_ready() -> None:
+                    while not need <= self._ready:
+                        self._ready_changed.clear()
+                        await self._ready_changed.wait()
+                try:
+                    await asyncio.wait_for(all_ready(), timeout)
+                except TimeoutError:
+                    for r in start:  # roll back: the old deployment never stopped serving
+                        await self._command(r, DrainReplica(strategy_id=s.strategy_id, replica_id=r.replica_id), hdr)
+                    missing = sorted(need - self._ready)
+                    await self._publish_switch(SwitchRolledBack(
+                        strategy_id=s.strategy_id, reason=f"replicas not ready after {timeout:.1f} s: {missing}"), hdr)
+                    return False
+            # every new replica serves: flip the router (and record it for routers that start later),
+            # then retire the old ones
+            assignment = encode(AssignmentSet(strategy_id=s.strategy_id, weights=s.weights))
+            if self.kv is not None:
+                await self.kv.put(Subjects.ASSIGNMENT_KEY, assignment)
+            await self.nc.publish(self.config.subjects.plan_event("assignment"), assignment, headers=hdr)
+            for rid in retire:
+                await self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid), hdr)
+            self.current = target
+            self.strategy_id = s.strategy_id
+            await self._publish_switch(SwitchCompleted(strategy_id=s.strategy_id,
+                                                       switch_wall_s=time.monotonic() - started), hdr)
+            return True
+        finally:
+            if span is not None:
+                span.end()
