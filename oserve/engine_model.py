@@ -206,7 +206,7 @@ class SimReplica:
         micro = Batch(max(1, round(batch.num_tokens / pp)), batch.prefill_pairs / pp,
                       round(batch.prefill_cached_tokens / pp), round(batch.num_decode_seqs / pp),
                       round(batch.decode_context_tokens / pp), max(1, round(batch.num_logit_rows / pp)))
-        return max(self.timer.iteration_seconds(micro), pp * self.timer.bottleneck_seconds(micro))
+        return self.timer.pipelined_step_seconds(micro)
 
     # --- the kernel's interface ----------------------------------------------------------------
 
@@ -355,6 +355,8 @@ class SimReplica:
         if k <= 0 or not self._dec:
             return 0
         bt, s = self.block_tokens, self.step_index
+        if k == 1:  # the requests whose context is a whole number of blocks: (offset + s) % bt == 0
+            return self._dec_mod[-s % bt]
         total = 0
         for c, count in enumerate(self._dec_mod):
             if count:

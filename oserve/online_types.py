@@ -38,21 +38,28 @@ class OnlineTypes:
     - `halflife`: River k-means step, the fraction of the distance a centroid moves towards each learned
       request (0 freezes the centroids).
     - `grace_period`: requests a leaf of the regressor's Hoeffding tree sees between split attempts.
+    - `max_depth`: the tree's depth limit. Unbounded, it keeps splitting the input length into a chain
+      (height 333 after 250,000 Azure conversation requests, each learn and prediction then taking 0.5
+      ms, and a RecursionError soon after); at 12 it stays at about 300 nodes, 18 us a learn, with the
+      same accuracy of types at arrival (92.7% against 93.2% unbounded, after 200,000).
     - `learn_regressor`: False keeps the prior output estimate (the fitted requests' mean log output),
       the baseline the regressor is measured against.
     - `seed`: River's k-means seed (only used if a centroid ever lacks a coordinate; it never does here).
     Before the first completion the output estimate is the prior.
     """
 
-    def __init__(self, types: WorkloadTypes, *, halflife: float = 0.002, grace_period: int = 200,
+    def __init__(self, types: WorkloadTypes, *, halflife: float = 0.002, grace_period: int = 200, max_depth: int = 12,
                  learn_regressor: bool = True, seed: int = 0) -> None:
         if not (isinstance(halflife, (int, float)) and math.isfinite(halflife) and 0 <= halflife <= 1):
             raise ConfigError(f"OnlineTypes: halflife must be in [0, 1]; got {halflife!r}")
         if not (isinstance(grace_period, int) and grace_period >= 1):
             raise ConfigError(f"OnlineTypes: grace_period must be an int >= 1; got {grace_period!r}")
+        if not (isinstance(max_depth, int) and max_depth >= 1):
+            raise ConfigError(f"OnlineTypes: max_depth must be an int >= 1; got {max_depth!r}")
         self.types = types
         self.halflife = float(halflife)
         self.grace_period = grace_period
+        self.max_depth = max_depth
         self.learn_regressor = bool(learn_regressor)
         self.seed = int(seed)
         self._kmeans = cluster.KMeans(n_clusters=types.k, halflife=self.halflife, seed=self.seed)
@@ -64,7 +71,7 @@ class OnlineTypes:
         outs = np.array([c[1] for c in types.centroids_log])
         self.prior_log_output = float(np.dot(shares, outs) / shares.sum()) if shares.sum() > 0 \
             else float(outs.mean())
-        self._regressor = tree.HoeffdingTreeRegressor(grace_period=grace_period)
+        self._regressor = tree.HoeffdingTreeRegressor(grace_period=grace_period, max_depth=max_depth)
         self.num_learned = 0
 
     @property

@@ -302,6 +302,30 @@ class ShapeTimer:
         return (self._num_layers * per_layer + 2.0 * self._embed_b * m + self._lm_head(batch.num_logit_rows)
                 + (self.shape.pp - 1) * send_recv + self.iteration_overhead_s)
 
+    def pipelined_step_seconds(self, micro: Batch) -> float:
+        """With `pp` micro-batches like `micro` in flight, the time between two steps of one sequence:
+        max(latency of `micro` through every stage, pp x the bottleneck stage's busy time). The same
+        arithmetic as `max(iteration_seconds(micro), pp * bottleneck_seconds(micro))`, the shared terms
+        computed once (the simulated engine's hot path for PP replicas)."""
+        m = micro.num_tokens
+        if m == 0:
+            return 0.0
+        pp = self.shape.pp
+        token, send_recv = self._token_costs(m)
+        attn = self.attention_seconds(micro)
+        lm_head = self._lm_head(micro.num_logit_rows)
+        embed = self._embed_b * m
+        latency = (self._num_layers * (token + attn) + 2.0 * embed + lm_head + (pp - 1) * send_recv
+                   + self.iteration_overhead_s)
+        per_layer = token + attn  # as stage_seconds computes it
+        layers = self.layers
+        first, last = layers[0] * per_layer + embed, layers[-1] * per_layer + lm_head + embed
+        stage = max(first, last) if len(layers) > 1 else layers[0] * per_layer + embed + lm_head + embed
+        for n in layers[1:-1]:
+            stage = max(stage, n * per_layer)
+        bottleneck = stage + send_recv + self.iteration_overhead_s / pp
+        return max(latency, pp * bottleneck)
+
     def bottleneck_seconds(self, batch: Batch) -> float:
         """Time the slowest stage is busy with the batch (with its share of overhead and transfer).
 

@@ -165,3 +165,25 @@ def test_token_histogram_quantiles():
     h2 = TokenHistogram()
     h2.add_linear(0.02, 0.001, 100, 3)
     assert h2.total == 300 and math.isfinite(h2.quantile(0.99))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(2, 200)), min_size=1, max_size=12),
+       steps=st.integers(0, 40), k=st.integers(1, 70), block=st.sampled_from([1, 4, 16]))
+def test_block_crossings_count_every_decoding_request_that_needs_a_new_block(lengths, steps, k, block) -> None:
+    """Reference: for each decoding request, count the steps t in [s, s + k) at which its context reaches a
+    whole number of blocks (the step that writes its next token needs a fresh block)."""
+    rep = _replica(kv_tokens=1_000_000, block=block)
+    for i, (inp, out) in enumerate(lengths):
+        rep.enqueue(SimRequest(i, 0, 0.0, inp, out), 0.0)
+    end = rep.wake(0.0)
+    for _ in range(steps):
+        if end is None:
+            break
+        end = rep.on_step_end(end).next_end_s
+    if rep.busy:
+        rep.cut(rep._run_start_s)  # stop between steps
+        rep.on_step_end(rep.step_end_s, start_next=False)
+    s = rep.step_index
+    reference = sum(1 for r in rep._dec.values() for t in range(s, s + k) if (r.offset + t) % block == 0)
+    assert rep._crossings(k) == reference

@@ -124,3 +124,15 @@ def test_replay_on_azure_conv_measures_a_rate():
     assert sum(map(sum, learned.confusion)) == 3000
     d = learned.as_dict(types.names)
     assert set(d["per_type_rate"]) == set(types.names)
+
+
+def test_the_regressor_stays_shallow_and_fast_however_long_it_learns():
+    """Unbounded, River's Hoeffding tree splits the input length into a chain that slows every learn and
+    prediction and ends in a RecursionError; `max_depth` keeps it bounded."""
+    trace = load_trace("azure-conv")
+    types = fit_types(trace.input_tokens, trace.output_tokens)
+    online = OnlineTypes(types, max_depth=6, grace_period=50)
+    rng = np.random.default_rng(0)
+    for i in rng.integers(0, len(trace), 20_000):
+        online.learn_one(int(trace.input_tokens[i]), int(trace.output_tokens[i]))
+    assert online._regressor.height <= 7

@@ -162,3 +162,14 @@ def test_vectorised_bottleneck_matches_scalar(name, data, chunk, cached, context
                                       np.array([b.decode_context_tokens + b.prefill_cached_tokens + b.num_tokens]),
                                       np.array([b.num_logit_rows]))[0]
     assert v == pytest.approx(timer.bottleneck_seconds(b), rel=1e-12, abs=1e-15)
+
+
+@given(st.integers(1, 8192), st.integers(0, 200), st.integers(0, 3000), st.integers(0, 200_000),
+       st.sampled_from([ReplicaShape(1, 2), ReplicaShape(2, 3), ReplicaShape(4, 2), ReplicaShape(8, 2),
+                        ReplicaShape(1, 1)]))
+def test_the_pipelined_step_is_the_max_of_latency_and_pp_bottlenecks(tokens, dec, cached, ctx, shape):
+    """Reference: the two public quantities it fuses, computed separately."""
+    timer = PerfModel(model_preset("llama2-70b"), H100).timer(shape)
+    b = Batch(tokens + dec, tokens * (cached + (tokens + 1) / 2), cached, dec, ctx, 1 + dec)
+    expected = max(timer.iteration_seconds(b), shape.pp * timer.bottleneck_seconds(b))
+    assert timer.pipelined_step_seconds(b) == pytest.approx(expected, rel=1e-12)

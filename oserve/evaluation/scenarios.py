@@ -190,7 +190,7 @@ def build_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: floa
                           f"{history_minutes:g} minutes of history")
     types = fit_types(trace.input_tokens, trace.output_tokens)
     table = CapacityTable(model, cluster.gpu, types, target, gpus_per_node=cluster.gpus_per_node)
-    end_s = history_s + minutes * 60.0 if minutes else math.inf
+    end_s = history_s + minutes * 60.0 if minutes else trace.duration_s + 1.0
     window = trace.slice_time(history_s, end_s)
     factor = scale_for_load(window, types, table, cluster, load)
     history = scale_volume(trace.slice_time(0.0, history_s), factor, rng)

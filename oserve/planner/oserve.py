@@ -6,7 +6,7 @@ with what each has seen; nothing here knows which one called.
 With the twin (the default):
 1. If the forecast has hardly moved from the rates the deployment in force was scored at (by less
    than `rescore_change` and twice Poisson noise) and that deployment serves it all, keep it and only
-   re-route for the new rates.
+   re-route for the new rates ("reroute").
 2. Otherwise build candidates: the MILP's plan at each of `candidate_slacks`, the
    `num_homogeneous_candidates` best homogeneous deployments for the mix, and what runs now; score each
    on the digital twin (`oserve.planner.twin`: the last span's arrivals at the forecast's counts).
@@ -14,7 +14,8 @@ With the twin (the default):
    (`oserve.planner.neighbours`), a move taken only when it scores `neighbour_min_gain` better and keeps
    about the candidates' headroom (`neighbour_capacity_slack`).
 4. Switch GPU-to-GPU when the best beats what runs by `switch_gain` and the capacity lost while
-   switching stays under `max_switch_loss_frac` of the span's demand; else keep and re-route.
+   switching stays under `max_switch_loss_frac` of the span's demand ("switch"); else keep what runs,
+   re-routed ("rescored" when it is still the best, "keep" when the switch would cost too much).
 
 Without the twin the capacity model alone decides: the search's plan, switched to when it serves more
 or lowers a high peak utilisation enough (`PlannerConfig`).
@@ -77,8 +78,10 @@ class OServePlanner:
     def _serves_all(self, served_rps: float, rates: np.ndarray) -> bool:
         return served_rps >= (1.0 - self.config.served_tolerance_frac) * float(rates.sum())
 
-    def _keep(self, old: Deployment, rates: np.ndarray, label: str, scored: tuple[float, ...]) -> Decision:
-        a, n = served(self.ctx.table, old, rates)
+    def _keep(self, old: Deployment, rates: np.ndarray, label: str, scored: tuple[float, ...],
+              assignment: tuple | None = None) -> Decision:
+        """Keep `old`, re-routed for `rates` (`assignment`: its (assignment, capacity rows) when known)."""
+        a, n = assignment if assignment is not None else served(self.ctx.table, old, rates)
         return Decision(old, weights_for(a, n), 0.0, tuple(rates), label, scored_rps=scored)
 
     def candidates(self, rates: np.ndarray, old: Deployment) -> list[Deployment]:
@@ -111,9 +114,9 @@ class OServePlanner:
             base = max(float(scored_rates.sum()), 1e-9)
             moved = float(np.abs(rates - scored_rates).sum()) / base
             noise = poisson_l1_noise(len(rates), base * span_s)
-            a_cur, _ = served(ctx.table, old, rates)
+            a_cur, n_cur = served(ctx.table, old, rates)
             if moved < max(cfg.rescore_change, 2.0 * noise) and self._serves_all(a_cur.served_rps, rates):
-                return self._keep(old, rates, "reroute", current.scored_rps)
+                return self._keep(old, rates, "reroute", current.scored_rps, (a_cur, n_cur))
         scored_at = tuple(float(r) for r in rates)
         scored = []
         for i, dep in enumerate(self.candidates(rates, old)):
@@ -130,7 +133,7 @@ class OServePlanner:
         cur_score = scored[0][0]  # the first candidate is what runs
         same = tuple(sorted(best.shapes())) == tuple(sorted(old.shapes()))
         if same or best_score >= cur_score * (1 - cfg.switch_gain):
-            return self._keep(old, rates, "reroute", scored_at)
+            return self._keep(old, rates, "rescored", scored_at)
         return self._switch(old, best, rates, span_s, scored_at)
 
     def _switch(self, old: Deployment, best: Deployment, rates: np.ndarray, span_s: float,

@@ -65,12 +65,15 @@ class TwinConfig:
     horizon_s: float = 180.0
     """Length of the synthetic span when there is no observed span to replay (Poisson arrivals)."""
     warmup_s: float = 60.0
-    """Requests arriving before this are served but not scored (the replicas start empty)."""
+    """Requests of a Poisson span arriving before this are served but not scored (the replicas start empty)."""
+    replay_warmup_s: float = 30.0
+    """A replayed span is preceded by its own last `replay_warmup_s` seconds, served but not scored, so the
+    replicas meet it about as loaded as they would be: an answer of 500 tokens at the 100 ms TBT target
+    decodes for 50 s, most for far less (Azure conversation: median 129 tokens)."""
     seed: int = 0
     max_num_requests: int = 12000
     """Cap on the synthetic span's requests. A Poisson span is shortened beyond it (the rates, which set
-    the load, stay as forecast); a replayed span is then played once, its first third warming up,
-    instead of twice."""
+    the load, stay as forecast); a replayed span is then played alone, its first third warming up."""
     initial_horizon_s: float = 600.0
     """Length of the Poisson span that scores the first deployment (no observed span yet)."""
     initial_max_num_requests: int = 30000
@@ -78,6 +81,8 @@ class TwinConfig:
     sim: SimConfig = field(default_factory=lambda: SimConfig(span_s=1e9, horizon_after_last_arrival_s=600.0))
 
     def __post_init__(self) -> None:
+        if not self.replay_warmup_s >= 0:
+            raise ConfigError(f"TwinConfig: replay_warmup_s must be >= 0, got {self.replay_warmup_s}")
         if not self.horizon_s > self.warmup_s >= 0 or not self.initial_horizon_s > self.warmup_s:
             raise ConfigError(f"TwinConfig: need horizon_s and initial_horizon_s > warmup_s >= 0, got "
                               f"{self.horizon_s}, {self.initial_horizon_s}, {self.warmup_s}")
@@ -121,8 +126,8 @@ class DigitalTwin:
 
         With `pattern` (the last span's arrival offsets and classes), each class keeps its observed
         arrival times (resampled with replacement to the forecast's count when that differs), so the
-        burstiness the gateway saw is replayed; the span is played twice and the first copy warms the
-        replicas up. Without it, Poisson arrivals over `config.horizon_s` (`config.initial_horizon_s` when
+        burstiness the gateway saw is replayed, after its own last `config.replay_warmup_s` seconds that
+        warm the replicas up. Without it, Poisson arrivals over `config.horizon_s` (`config.initial_horizon_s` when
         `long`: the first deployment has no observed span to go by and is the costliest to change).
         """
         rates = np.maximum(np.asarray(rates, dtype=float), 0.0)
@@ -147,10 +152,11 @@ class DigitalTwin:
                 kinds.append(np.full(len(t), j))
             one = np.concatenate(times)
             kind1 = np.concatenate(kinds)
-            if 2 * len(one) <= self.config.max_num_requests:
-                arrival = np.concatenate([one, one + span_s])
-                kind = np.concatenate([kind1, kind1])
-                warm = span_s
+            warm = min(self.config.replay_warmup_s, span_s)
+            tail = one >= span_s - warm
+            if len(one) + int(tail.sum()) <= self.config.max_num_requests:
+                arrival = np.concatenate([one[tail] - (span_s - warm), one + warm])
+                kind = np.concatenate([kind1[tail], kind1])
             else:
                 arrival, kind, warm = one, kind1, span_s / 3.0
         else:
