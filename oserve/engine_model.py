@@ -433,6 +433,10 @@ class SimReplica:
             extra = self._blocks_for(r.ctx + tokens) - r.blocks
             if extra > self.free_blocks:
                 break
+            if self.engine.admit_whole_prompt:
+                still = sum(self._blocks_for(p.prompt_tokens) - p.blocks for p in self.prefilling)
+                if self._blocks_for(r.prompt_tokens) - r.blocks + still > self.free_blocks:
+                    break  # its whole prompt does not fit beside the prompts being prefilled
             self.waiting.popleft()
             self._queued_tokens -= left
             self.free_blocks -= extra

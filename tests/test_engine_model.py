@@ -187,3 +187,34 @@ def test_block_crossings_count_every_decoding_request_that_needs_a_new_block(len
     s = rep.step_index
     reference = sum(1 for r in rep._dec.values() for t in range(s, s + k) if (r.offset + t) % block == 0)
     assert rep._crossings(k) == reference
+
+
+def _saturation(model, shape, inp: int, out: int, engine: EngineConfig, n: int = 300):
+    """(completion rate, preemptions) of a replica given `n` identical requests at once."""
+    perf = PerfModel(model, H100)
+    rep = SimReplica("r0", shape, perf.timer(shape), engine, kv_capacity_tokens(model, H100, shape), 16)
+    for i in range(n):
+        rep.add_waiting(SimRequest(i, 0, 0.0, inp, out))
+    done = _drain(rep)
+    return len(done) / max(r.finish_s for r in done), sum(r.num_preemptions for r in done)
+
+
+@pytest.mark.parametrize("model_name, shape, inp, out", [
+    ("llama3.1-70b", ReplicaShape(8), 16000, 300),
+    ("llama3.1-70b", ReplicaShape(8), 60000, 500),
+    ("llama3.1-70b", ReplicaShape(4, 2), 30000, 400),
+    ("qwen2.5-72b", ReplicaShape(8), 20000, 800),
+    ("llama3.1-8b", ReplicaShape(1), 50000, 400),
+])
+def test_long_context_capacity_agrees_with_the_engine(model_name, shape, inp, out):
+    """Long prompts: the capacity table and the simulated engine agree within 25% at saturation, and the
+    engine does not thrash (admitting only whole prompts). Admitting a chunk at a time, as vLLM's V1
+    scheduler does, it preempts and recomputes long prompts in a loop and serves far less."""
+    model = model_preset(model_name)
+    table = CapacityTable(model, H100, FixedLengths(("long",), ((inp,),), ((out,),)))
+    rate, preemptions = _saturation(model, shape, inp, out, EngineConfig())
+    assert rate == pytest.approx(table.rate(shape, 0), rel=0.25)
+    assert preemptions <= 0.05 * 300
+    if inp >= 50000:
+        chunked_rate, chunked_preemptions = _saturation(model, shape, inp, out, EngineConfig(admit_whole_prompt=False))
+        assert chunked_preemptions > 300 and chunked_rate < 0.7 * rate
