@@ -124,6 +124,28 @@ def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
     return path
 
 
+def peeking(rows: list[dict], steps: list[str], path: Path, title: str = "") -> Path:
+    """OServe's speedup over vllm-static per scenario (groups) at each step from the old evaluation to the
+    honest one (bars). `rows`: `oserve bench peeking` scenario rows."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(8.0, 2.2 * len(rows) + 3), 4.8))
+    x = np.arange(len(rows))
+    width = 0.8 / max(len(steps), 1)
+    for i, step in enumerate(steps):
+        vals = [r["steps"][i]["speedup"] if r["steps"][i]["speedup"] is not None else np.nan for r in rows]
+        ax.bar(x + (i - (len(steps) - 1) / 2) * width, vals, width, label=f"{i + 1}. {step}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, [r["scenario"] for r in rows])
+    ax.set_ylabel("P99 of vllm-static / P99 of OServe")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title or "What each kind of peeking was worth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: Path, title: str = "") -> Path:
     """P99 of every fixed deployment, best first (bars), with the policies' P99s as horizontal lines.
 

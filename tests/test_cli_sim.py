@@ -107,6 +107,7 @@ def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
             fewer = row["finished"]["oserve"] < row["finished"][k]
             assert v == pytest.approx(min(ratio, 1.0) if fewer else ratio)
         assert row["oserve_decide_s"]["count"] >= 1 and row["bound_p99_s"] <= row["p99"]["oserve"]
+    assert result["oserve_decide_s"]["count"] == sum(r["oserve_decide_s"]["count"] for r in result["scenarios"])
     assert set(result["mean_speedup_p99"]) == {*BASELINES, "perfect-forecast"}
     assert set(result["cv_rank_correlation"]) == set(BASELINES)
     assert result["seconds"] > 0
@@ -142,3 +143,18 @@ def test_demo_ctrl_c_drains_and_exits_130(tmp_path: Path) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "draining" in err and "Traceback" not in err
+
+
+def test_bench_peeking_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> None:
+    from oserve.evaluation.peeking import STEPS
+
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "peeking", "--scenarios", "S5", "--minutes", "1", "--gpus",
+                             "8", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    result = json.loads(out)
+    (row,) = result["scenarios"]
+    assert row["scenario"] == "S5" and [s["step"] for s in row["steps"]] == list(STEPS)
+    for s in row["steps"]:
+        assert s["oserve_p99_s"] > 0 and s["static_p99_s"] > 0
+        assert s["speedup"] == pytest.approx(s["static_p99_s"] / s["oserve_p99_s"]) or s["speedup"] <= 1.0
+    assert (tmp_path / "peeking.png").stat().st_size > 10_000

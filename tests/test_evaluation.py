@@ -211,3 +211,18 @@ def test_servegen_scenario_reaches_the_load_shifts_its_mix_and_has_a_history():
                        for t in range(ten.max() + 1)])
     assert np.abs(np.diff(shares, axis=0)).max() > 0.05  # the mix moves between windows
     assert abs(mean_mix(sc.window, sc.types).sum() - 1.0) < 1e-9
+
+
+def test_tuning_searches_one_threshold_at_a_time_and_keeps_the_best() -> None:
+    from oserve.evaluation.tuning import tune
+
+    cluster = cluster_for_gpus(8)
+    grid = {"switch_gain": (0.05, 0.3), "neighbour_min_gain": (QUICK.planner.neighbour_min_gain,)}
+    result = tune(LLAMA, cluster, ("S2",), minutes=2, grid=grid, base=QUICK.planner, config=QUICK)
+    tried = {tuple(sorted(t["thresholds"].items())) for t in result.trials}
+    assert len(tried) == len(result.trials) == 3  # the start, then each value of each threshold once
+    best = max(result.trials, key=lambda t: t["objective"])
+    assert result.objective == best["objective"] and result.best == best["thresholds"]
+    for t in result.trials:
+        speedups = list(t["speedups"].values())
+        assert t["objective"] == pytest.approx(float(np.exp(np.mean(np.log(speedups)))))

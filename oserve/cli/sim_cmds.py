@@ -68,8 +68,8 @@ def _table(comparison, scenario) -> Table:
 
 
 def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], load: float, minutes: float | None,
-         span_s: float, seed: int, console: Console, forecaster: str = "last_value", history_minutes: float = 10.0,
-         bound: bool = True):
+         span_s: float, seed: int, console: Console | None, forecaster: str = "last_value",
+         history_minutes: float = 10.0, bound: bool = True):
     from oserve.errors import ConfigError
     from oserve.evaluation.compare import EvalConfig, compare
     from oserve.evaluation.registry import policy_spec
@@ -90,6 +90,8 @@ def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], l
     config = EvalConfig(sim=SimConfig(span_s=span_s), forecaster=forecaster, bound=bound)
     scenario = build_scenario(scenario_name, spec, cluster, load=load, minutes=minutes, seed=seed,
                               history_minutes=history_minutes)
+    if console is None:  # no progress bars (a worker process of bench e2e)
+        return scenario, compare(spec, cluster, scenario, policies, config, timer=time.perf_counter), cluster
     with _progress(console) as bar:
         tasks: dict[str, int] = {}
 
@@ -189,6 +191,35 @@ def _mean(values: list[float]) -> tuple[float, float]:
     return sum(vals) / len(vals), math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
+def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | None,
+             console: Console | None) -> dict:
+    """One scenario of bench e2e: every policy's figures and OServe's speedups (a picklable dict)."""
+    from oserve.evaluation.registry import POLICY_NAMES
+
+    began = time.perf_counter()
+    scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
+    res = comparison.results
+    spans = [s for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
+    decide = sorted(s["decide_s"] for s in spans)
+    return {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.window),
+            "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
+            "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
+            "finished": {k: int(r.finished.sum()) for k, r in res.items()},
+            "unfinished": {k: int(r.dropped.sum()) for k, r in res.items()},
+            "refused": int(res["oserve"].refused.sum()),
+            "throughput": {k: r.throughput_rps for k, r in res.items()},
+            "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
+            "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
+            "oserve_decide_s": {"median": decide[len(decide) // 2] if decide else math.nan,
+                                "max": decide[-1] if decide else math.nan, "count": len(decide),
+                                "all": [s["decide_s"] for s in spans], "labels": [s["label"] for s in spans]},
+            "seconds": time.perf_counter() - began}
+
+
+def _e2e_worker(args: tuple) -> dict:
+    return _e2e_row(*args, console=None)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     model: str = typer.Option("llama2-70b", help="Model preset."),
@@ -200,13 +231,16 @@ def bench_e2e(
     extra_32: bool = typer.Option(True, help="Also run azure-conv on 32 GPUs."),
     minutes: float = typer.Option(None, help="Length of each window (default: 20 min per composition, 30 min per "
                                              "sequence, the rest of a trace after its history)."),
+    jobs: int = typer.Option(0, help="Scenarios simulated at once, each in its own process (0: one per CPU)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write e2e.json and speedups.png (bars per scenario, speedup vs mix "
                                         "CV) here."),
 ) -> None:
     """OServe's P99 against each baseline on the test scenarios (thresholds tuned on the others)."""
+    import os
+
     from oserve.errors import ConfigError
-    from oserve.evaluation.registry import BASELINES, POLICY_NAMES
+    from oserve.evaluation.registry import BASELINES
     from oserve.evaluation.tuning import TEST_SET, TUNING_SET
     from oserve.servegen import resolve_servegen
 
@@ -217,43 +251,62 @@ def bench_e2e(
         names = list(sets[scenario_set])
     else:
         raise ConfigError(f"--set must be one of {', '.join(sets)}, got {scenario_set!r}")
+    if jobs < 0:
+        raise ConfigError(f"--jobs must be >= 0, got {jobs}")
     console = Console(stderr=True)
     runs = [(name, gpus) for name in names]
     if extra_32 and "azure-conv" in names:
         runs.append(("azure-conv", 32))
-    rows, skipped = [], []
-    start = time.perf_counter()
-    for name, n_gpus in runs:
+    skipped = []
+    for name, n_gpus in list(runs):
         if name.startswith("servegen-"):
             try:
                 resolve_servegen(name)
             except ConfigError as e:  # the ServeGen traces live in ../shared/data, not in the package
                 skipped.append({"name": name, "reason": str(e)})
                 console.print(f"{name}: skipped ({e})")
-                continue
-        began = time.perf_counter()
-        scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
-        res = comparison.results
-        decide = [s["decide_s"] for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
-        row = {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.window),
-               "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
-               "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
-               "finished": {k: int(r.finished.sum()) for k, r in res.items()},
-               "unfinished": {k: int(r.dropped.sum()) for k, r in res.items()},
-               "refused": int(res["oserve"].refused.sum()),
-               "throughput": {k: r.throughput_rps for k, r in res.items()},
-               "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
-               "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
-               "oserve_decide_s": {"median": float(sorted(decide)[len(decide) // 2]) if decide else math.nan,
-                                   "max": max(decide, default=math.nan), "count": len(decide)},
-               "seconds": time.perf_counter() - began}
-        rows.append(row)
-        console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
-                      + f" ({row['seconds']:.0f} s)")
+                runs.remove((name, n_gpus))
+    workers = min(jobs or (os.cpu_count() or 1), len(runs)) or 1
+    start = time.perf_counter()
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        # the longest first, so the processes finish together: real traces, then sequences, compositions
+        order = sorted(range(len(runs)), key=lambda i: (-runs[i][1], not runs[i][0].startswith(("servegen", "azure")),
+                                                       not runs[i][0].startswith("T")))
+        found: dict[int, dict] = {}
+        # spawned, not forked: a fork of a process whose libraries run threads (polars) can deadlock
+        spawn = multiprocessing.get_context("spawn")
+        with _progress(console) as bar, ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+            task = bar.add_task(f"bench e2e: {len(runs)} scenarios in {workers} processes", total=len(runs))
+            futures = {pool.submit(_e2e_worker, (runs[i][0], runs[i][1], model, load, minutes)): i for i in order}
+            for future in as_completed(futures):
+                row = found[futures[future]] = future.result()
+                bar.update(task, advance=1)
+                console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
+                              + f" ({row['seconds']:.0f} s)")
+        rows = [found[i] for i in range(len(runs))]
+    else:
+        rows = []
+        for name, n_gpus in runs:
+            row = _e2e_row(name, n_gpus, model, load, minutes, console)
+            rows.append(row)
+            console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
+                          + f" ({row['seconds']:.0f} s)")
     compared = (*BASELINES, "perfect-forecast")
     means = {k: _mean([r["speedup_p99"].get(k, math.nan) for r in rows]) for k in compared}
+    decide = sorted(t for r in rows for t in r["oserve_decide_s"]["all"])
+    # the decisions that scored deployments on the twin (not a re-route of the deployment in force)
+    scoring = sorted(t for r in rows for t, label in zip(r["oserve_decide_s"]["all"], r["oserve_decide_s"]["labels"])
+                     if label != "reroute")
     result = {"model": model, "load": load, "set": "custom" if scenarios else scenario_set,
-              "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start,
+              "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start, "processes": workers,
+              "oserve_decide_s": {"median": decide[len(decide) // 2] if decide else math.nan,
+                                  "p90": decide[int(0.9 * (len(decide) - 1))] if decide else math.nan,
+                                  "max": decide[-1] if decide else math.nan, "count": len(decide),
+                                  "scoring_median": scoring[len(scoring) // 2] if scoring else math.nan,
+                                  "scoring_count": len(scoring)},
               "mean_speedup_p99": {k: v[0] for k, v in means.items()},
               "geomean_speedup_p99": {k: v[1] for k, v in means.items()},
               "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
@@ -282,7 +335,10 @@ def bench_e2e(
         t.add_row(r["name"], f"{r['cv']:.2f}", *(_fmt(r["speedup_p99"].get(k, math.nan)) for k in compared), _fmt(gap))
     t.add_row("mean", "", *(_fmt(result["mean_speedup_p99"][k]) for k in compared), "")
     out_console().print(t)
-    out_console().print(f"{len(rows)} scenarios in {result['seconds'] / 60:.1f} min")
+    d = result["oserve_decide_s"]
+    out_console().print(f"{len(rows)} scenarios in {result['seconds'] / 60:.1f} min ({workers} processes); OServe's "
+                        f"decisions: median {_fmt(d['median'])} s, P90 {_fmt(d['p90'])} s, max {_fmt(d['max'])} s; "
+                        f"of the {d['scoring_count']} that scored deployments, median {_fmt(d['scoring_median'])} s")
 
 
 @bench_app.command("ceiling")
@@ -389,3 +445,65 @@ def bench_tune(
         t.add_row(*(f"{trial['thresholds'][k]:g}" for k in GRID), f"{trial['objective']:.3f}")
     out_console().print(t)
     out_console().print(f"best: {result.best} ({result.objective:.3f}); {summary['seconds'] / 60:.1f} min")
+
+
+@bench_app.command("peeking")
+def bench_peeking(
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
+    scenarios: str = typer.Option("S4,T4,azure-conv,servegen-m-large", help="Comma-separated scenario names."),
+    minutes: float = typer.Option(None, help="Length of each window (default: as in bench e2e)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Path = typer.Option(None, help="Write peeking.json and peeking.png here."),
+) -> None:
+    """What each kind of peeking the old evaluation allowed was worth: OServe's P99 speedup over vllm-static
+    from the old evaluation to the honest one, removing one kind at a time (`oserve.evaluation.peeking`)."""
+    from oserve.errors import ConfigError
+    from oserve.evaluation.peeking import STEPS, ablation
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.servegen import resolve_servegen
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    spec, cluster = model_preset(model), cluster_for_gpus(gpus)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    rows, skipped = [], []
+    with _progress(console) as bar:
+        task = bar.add_task("peeking", total=None)
+        for name in [n.strip() for n in scenarios.split(",") if n.strip()]:
+            if name.startswith("servegen-"):
+                try:
+                    resolve_servegen(name)
+                except ConfigError as e:
+                    skipped.append({"name": name, "reason": str(e)})
+                    continue
+            scenario = build_scenario(name, spec, cluster, load=load, minutes=minutes)
+            steps = ablation(spec, cluster, scenario,
+                             progress=lambda what, n=name: bar.update(task, description=f"{n}: {what}"))
+            rows.append({"scenario": scenario.name, "steps": [
+                {"step": r.step, "oserve_p99_s": r.oserve_p99_s, "static_p99_s": r.static_p99_s,
+                 "speedup": r.speedup, "static_shape": r.static_shape} for r in steps]})
+    result = {"model": model, "gpus": gpus, "load": load, "steps": list(STEPS), "scenarios": rows,
+              "skipped": skipped, "seconds": time.perf_counter() - start}
+    if out is not None:
+        from oserve.observability import report
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "peeking.json").write_text(json.dumps(_json_safe(result), indent=2))
+        report.peeking(rows, list(STEPS), out / "peeking.png", f"{model} on {gpus} GPUs: OServe's P99 speedup over "
+                                                              f"vllm-static as each kind of peeking is removed")
+        result["report"] = str(out)
+    if json_out:
+        typer.echo(json.dumps(_json_safe(result), indent=2))
+        return
+    t = Table(title="OServe's P99 speedup over vllm-static, removing one kind of peeking at a time (top: the old "
+                    "evaluation; bottom: the honest one)")
+    t.add_column("step")
+    for r in rows:
+        t.add_column(r["scenario"], justify="right")
+    for i, step in enumerate(STEPS):
+        t.add_row(step, *(f"{_fmt(r['steps'][i]['speedup'])} ({_fmt(r['steps'][i]['oserve_p99_s'])}/"
+                          f"{_fmt(r['steps'][i]['static_p99_s'])})" for r in rows))
+    out_console().print(t)
+    out_console().print("cells: speedup (OServe P99 / vllm-static P99, seconds)")
