@@ -11,7 +11,7 @@ import pytest
 
 from oserve.streams.client import OServeClient
 from oserve.streams.jetstream import ensure_streams
-from oserve.streams.schemas import Completed, ReplicaSpec, StrategyChosen, decode, encode
+from oserve.streams.schemas import Completed, ReplicaSpec, StrategyChosen, SwitchPlanned, decode, encode
 from oserve.streams.subjects import Subjects
 from oserve.streams.testing import running_server, unique_subjects
 from oserve.workers.clock import Clock
@@ -76,6 +76,7 @@ def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> 
     async def main() -> dict:
         nc = await nats.connect(server.url)
         plan_events: list[tuple[str, str, str]] = []  # (kind, tag, strategy or span)
+        planned: list[SwitchPlanned] = []
         completed: Counter[str] = Counter()
 
         async def on_plan(msg) -> None:
@@ -85,6 +86,8 @@ def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> 
             key = body.split('"strategy_id":"', 1)[1].split('"', 1)[0] if '"strategy_id"' in body else \
                 "span" + body.split('"span_index":', 1)[1].split(",", 1)[0]
             plan_events.append((kind, tag, key))
+            if tag == "switch_planned.v1":
+                planned.append(decode(msg.data, SwitchPlanned))
 
         async def on_completed(msg) -> None:
             ev = decode(msg.data, Completed)
@@ -101,6 +104,7 @@ def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> 
         await nc.flush()
         await nc.close()
         result["plan_events"] = plan_events
+        result["planned"] = planned
         result["completed"] = completed
         return result
 
@@ -110,6 +114,10 @@ def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> 
     assert r["lost"] == 0 and r["errors"] == 0
     assert r["switches"] >= 1, (r["switch_events"], r["strategies"])
     assert len(r["completed"]) == len(trace) and set(r["completed"].values()) == {1}  # exactly once
+    # the switch planner planned the switch's weight transfers (the first deployment loads from disk)
+    switches = [p for p in r["planned"] if p.start_ids and p.retire_ids]
+    assert switches and all(p.num_transfers > 0 and p.transfer_bytes > 0 and p.modelled_transfer_s > 0
+                            for p in switches)
     events = r["plan_events"]
     kinds = [k for k, _, _ in events]
     assert "forecast" in kinds and "strategy" in kinds

@@ -86,7 +86,7 @@ class ExecutorConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class SwitchEvent:
+class ExecutorEvent:
     """Something the switch did, past tense: SwitchStarted, SwitchCommitted, SwitchRolledBack."""
 
     kind: str
@@ -109,7 +109,7 @@ class ExecutionResult:
     """Wall time of the transfer phase, first worker start to last worker end."""
     gbytes_per_s: float
     num_workers: int
-    events: tuple[SwitchEvent, ...]
+    events: tuple[ExecutorEvent, ...]
     errors: tuple[str, ...] = ()
 
 
@@ -402,7 +402,7 @@ def execute_switch(model: ModelSpec, plan: SwitchPlan, *, seed: int, kv_plan: KV
 
     gpus = sorted({g for r in plan.source.replicas + plan.target.replicas for g in r.gpu_ids})
     if not gpus:
-        return ExecutionResult(True, False, True, True, 0, 0, 0.0, 0.0, 0, (SwitchEvent("SwitchCommitted", "no change"),))
+        return ExecutionResult(True, False, True, True, 0, 0, 0.0, 0.0, 0, (ExecutorEvent("SwitchCommitted", "no change"),))
     ranks = {g: i for i, g in enumerate(gpus)}
     have = deployment_weight_layout(model, plan.source)
     want = deployment_weight_layout(model, plan.target)
@@ -420,7 +420,7 @@ def execute_switch(model: ModelSpec, plan: SwitchPlan, *, seed: int, kv_plan: KV
     store = dist.TCPStore(config.host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
     ctx = _context(config.start_method)
     procs, conns = {}, {}
-    events = [SwitchEvent("SwitchStarted", f"{len(gpus)} workers, {len(tagged)} transfers")]
+    events = [ExecutorEvent("SwitchStarted", f"{len(gpus)} workers, {len(tagged)} transfers")]
     try:
         for g in gpus:
             job = _Job(g, ranks[g], len(gpus), ranks, model, seed, dict(have.get(g, {})), dict(want.get(g, {})),
@@ -447,13 +447,13 @@ def execute_switch(model: ModelSpec, plan: SwitchPlan, *, seed: int, kv_plan: KV
             _broadcast(conns, "commit")
             ok, failed = _gather(conns, procs, gpus, {"committed"}, config.timeout_s)
             if len(ok) == len(gpus):
-                events.append(SwitchEvent("SwitchCommitted", f"{moved} bytes moved, {local} copied locally, every "
+                events.append(ExecutorEvent("SwitchCommitted", f"{moved} bytes moved, {local} copied locally, every "
                                                              "target shard bit-exact"))
                 return ExecutionResult(True, False, True, True, moved, local, seconds,
                                        moved / seconds / 1e9 if seconds > 0 else 0.0, len(gpus), tuple(events))
             # A worker vanished between its report and the commit: the others have committed.
             errors = tuple(_describe(g, info) for g, info in failed.items())
-            events.append(SwitchEvent("SwitchCommitFailed", "; ".join(errors) or "a worker did not confirm"))
+            events.append(ExecutorEvent("SwitchCommitFailed", "; ".join(errors) or "a worker did not confirm"))
             return ExecutionResult(False, False, True, False, moved, local, seconds, 0.0, len(gpus), tuple(events),
                                    errors)
         # Roll back: every worker not already gone drops its staging and checks its source shards.
@@ -465,7 +465,7 @@ def execute_switch(model: ModelSpec, plan: SwitchPlan, *, seed: int, kv_plan: KV
         verdicts = [info.get("source_intact") if info else None for info in {**failed, **back, **gone}.values()]
         intact = len(verdicts) == len(gpus) and all(v is True for v in verdicts)
         reason = errors[0] if errors else "workers did not report"
-        events.append(SwitchEvent("SwitchRolledBack", f"{reason}; source deployment kept serving"
+        events.append(ExecutorEvent("SwitchRolledBack", f"{reason}; source deployment kept serving"
                                   + (", every source shard verified intact" if intact else
                                      ", but not every source shard could be verified")))
         return ExecutionResult(False, True, False, intact, moved, local, seconds, 0.0, len(gpus), tuple(events),
@@ -603,5 +603,5 @@ def bench_executor(*, seed: int = 0, planner: str = "improved", with_failure: bo
     return out
 
 
-__all__ = ["BENCH_MODEL", "ExecutionResult", "ExecutorConfig", "InjectedFailure", "SwitchEvent", "SwitchExecutionError",
+__all__ = ["BENCH_MODEL", "ExecutionResult", "ExecutorConfig", "InjectedFailure", "ExecutorEvent", "SwitchExecutionError",
            "bench_executor", "execute_switch", "full_tensor", "same_bits", "take_lines"]
