@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
+
+from nats.aio.msg import Msg
+
+from oserve.streams.schemas import SchemaError, decode
 
 log = logging.getLogger(__name__)
 
@@ -20,12 +24,27 @@ class Worker:
     name = "worker"
 
     def __init__(self) -> None:
+        self.num_bad_messages = 0
+        """Messages a typed subscription (`typed`) could not decode, and skipped."""
         self._subs: list = []
         self._runner: asyncio.Task[None] | None = None
         self._state = "new"  # new -> started -> draining -> stopped
         self._drained = asyncio.Event()  # set once the first drain() ends (or is cancelled)
         self.failure: BaseException | None = None
         """The exception that killed a background loop (the worker then stopped itself), else None."""
+
+    def typed(self, kind: Any, handler: Callable[[Any, Msg], Awaitable[None]]) -> Callable[[Msg], Awaitable[None]]:
+        """A subscription callback that decodes each message as `kind` (a schema or a union of them) and
+        hands it to `handler(message, msg)`; one that does not validate is counted and skipped."""
+        async def callback(msg: Msg) -> None:
+            try:
+                ev = decode(msg.data, kind)
+            except SchemaError as exc:
+                self.num_bad_messages += 1
+                log.debug("%s: skipped a message on %s: %s", self.name, msg.subject, exc)
+                return
+            await handler(ev, msg)
+        return callback
 
     @property
     def running(self) -> bool:

@@ -17,8 +17,8 @@ from opentelemetry.trace import Tracer
 
 from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError
-from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaReady, SchemaError, StartReplica,
-                                    decode, encode)
+from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaReady, StartReplica,
+                                    encode)
 from oserve.streams.subjects import Subjects
 from oserve.workers.backends import SimBackendConfig
 from oserve.workers.base import Worker
@@ -60,16 +60,12 @@ class EngineHost(Worker):
         self._queue: asyncio.Queue[tuple[StartReplica | DrainReplica, dict | None]] = asyncio.Queue()
 
     async def _subscribe(self) -> list:
-        return [await self.nc.subscribe(self.config.subjects.host_control(self.config.host_id), cb=self._on_command)]
+        return [await self.nc.subscribe(self.config.subjects.host_control(self.config.host_id), cb=self.typed(HostCommand, self._on_command))]
 
     def _loops(self):
         return [self._command_loop]
 
-    async def _on_command(self, msg: Msg) -> None:
-        try:
-            cmd = decode(msg.data, HostCommand)
-        except SchemaError:
-            return
+    async def _on_command(self, cmd: HostCommand, msg: Msg) -> None:
         self._queue.put_nowait((cmd, msg.headers))  # type: ignore[arg-type]
 
     async def _command_loop(self) -> None:

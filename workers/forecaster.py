@@ -25,7 +25,7 @@ from oserve.errors import ConfigError
 from oserve.forecast.baselines import LastValue
 from oserve.forecast.rates import RateForecaster
 from oserve.observability.tracing import inject
-from oserve.streams.schemas import Arrived, Completed, ForecastMade, SchemaError, decode, encode
+from oserve.streams.schemas import Arrived, Completed, ForecastMade, encode
 from oserve.streams.subjects import Subjects
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -80,21 +80,16 @@ class ForecasterStage(Worker):
     async def _subscribe(self) -> list:
         s = self.config.subjects
         if self.js is not None:
-            arrivals = await self.js.subscribe(s.arrivals(), cb=self._on_arrived, ordered_consumer=True,
+            arrivals = await self.js.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived), ordered_consumer=True,
                                                deliver_policy=DeliverPolicy.ALL, stream=s.stream_arrivals())
         else:
-            arrivals = await self.nc.subscribe(s.arrivals(), cb=self._on_arrived)
-        return [arrivals, await self.nc.subscribe(s.completions(), cb=self._on_completed)]
+            arrivals = await self.nc.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived))
+        return [arrivals, await self.nc.subscribe(s.completions(), cb=self.typed(Completed, self._on_completed))]
 
     def _loops(self):
         return [self._span_loop]
 
-    async def _on_arrived(self, msg: Msg) -> None:
-        try:
-            ev = decode(msg.data, Arrived)
-        except SchemaError:
-            return
-        assert isinstance(ev, Arrived)
+    async def _on_arrived(self, ev: Arrived, msg: Msg) -> None:
         for a in ev.items:
             self.observe(a.type_index, a.at_s)
 
@@ -116,14 +111,9 @@ class ForecasterStage(Worker):
         """Arrivals counted in spans not closed yet."""
         return sum(int(c.sum()) for c in self._counts.values())
 
-    async def _on_completed(self, msg: Msg) -> None:
+    async def _on_completed(self, ev: Completed, msg: Msg) -> None:
         if self.types is None:
             return
-        try:
-            ev = decode(msg.data, Completed)
-        except SchemaError:
-            return
-        assert isinstance(ev, Completed)
         for c in ev.items:
             self._misclassified[0] += self.types.classify_one(c.input_tokens, c.output_tokens) != c.type_index
             self._misclassified[1] += 1

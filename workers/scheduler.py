@@ -29,7 +29,7 @@ from oserve.observability.tracing import extract, inject
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.twin import ArrivalPattern
 from oserve.specs import Deployment, Replica, ReplicaShape
-from oserve.streams.schemas import Arrived, ForecastMade, ReplicaSpec, SchemaError, StrategyChosen, decode, encode
+from oserve.streams.schemas import Arrived, ForecastMade, ReplicaSpec, StrategyChosen, decode, encode
 from oserve.streams.subjects import Subjects
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -101,8 +101,8 @@ class SchedulerWorker(Worker):
 
     async def _subscribe(self) -> list:
         s = self.config.subjects
-        return [await self.nc.subscribe(s.arrivals(), cb=self._on_arrived),
-                await self.nc.subscribe(s.plan_event("forecast"), cb=self._on_forecast)]
+        return [await self.nc.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived)),
+                await self.nc.subscribe(s.plan_event("forecast"), cb=self.typed(ForecastMade, self._on_forecast))]
 
     async def start(self) -> None:
         if self._state != "new":
@@ -119,12 +119,7 @@ class SchedulerWorker(Worker):
         if self.current is None:
             await self._decide(-1, self.initial_rps, None, None)
 
-    async def _on_arrived(self, msg: Msg) -> None:
-        try:
-            ev = decode(msg.data, Arrived)
-        except SchemaError:
-            return
-        assert isinstance(ev, Arrived)
+    async def _on_arrived(self, ev: Arrived, msg: Msg) -> None:
         span_s = self.config.span_s
         for a in ev.items:
             span = int(a.at_s // span_s)
@@ -140,12 +135,7 @@ class SchedulerWorker(Worker):
         offsets, classes = zip(*seen)
         return ArrivalPattern(np.array(offsets), np.array(classes), self.config.span_s)
 
-    async def _on_forecast(self, msg: Msg) -> None:
-        try:
-            ev = decode(msg.data, ForecastMade)
-        except SchemaError:
-            return
-        assert isinstance(ev, ForecastMade)
+    async def _on_forecast(self, ev: ForecastMade, msg: Msg) -> None:
         try:
             rates = np.asarray(ev.forecast_rps, dtype=float)
             await self._decide(ev.span_index, rates, self.pattern(ev.span_index), msg.headers)

@@ -25,8 +25,8 @@ from oserve.errors import ConfigError, OServeError
 from oserve.observability.tracing import extract, inject
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
 from oserve.streams.schemas import (AssignmentSet, DrainReplica, ReplicaDrained, ReplicaEvent, ReplicaReady,
-                                    ReplicaSpec, SchemaError, StartReplica, StrategyChosen, SwitchCompleted,
-                                    SwitchPlanned, SwitchRolledBack, decode, encode)
+                                    ReplicaSpec, StartReplica, StrategyChosen, SwitchCompleted,
+                                    SwitchPlanned, SwitchRolledBack, encode)
 from oserve.streams.subjects import Subjects
 from oserve.switch import SwitchPlan, plan_switch
 from oserve.workers.base import Worker
@@ -75,25 +75,16 @@ class SwitchPlannerWorker(Worker):
 
     async def _subscribe(self) -> list:
         s = self.config.subjects
-        return [await self.nc.subscribe(s.plan_event("strategy"), cb=self._on_strategy),
-                await self.nc.subscribe(s.plan_event("replica"), cb=self._on_replica)]
+        return [await self.nc.subscribe(s.plan_event("strategy"), cb=self.typed(StrategyChosen, self._on_strategy)),
+                await self.nc.subscribe(s.plan_event("replica"), cb=self.typed(ReplicaEvent, self._on_replica))]
 
     def _loops(self):
         return [self._switch_loop]
 
-    async def _on_strategy(self, msg: Msg) -> None:
-        try:
-            s = decode(msg.data, StrategyChosen)
-        except SchemaError:
-            return
-        assert isinstance(s, StrategyChosen)
+    async def _on_strategy(self, s: StrategyChosen, msg: Msg) -> None:
         self._queue.put_nowait((s, msg.headers))
 
-    async def _on_replica(self, msg: Msg) -> None:
-        try:
-            ev = decode(msg.data, ReplicaEvent)
-        except SchemaError:
-            return
+    async def _on_replica(self, ev: ReplicaEvent, msg: Msg) -> None:
         if isinstance(ev, ReplicaReady):
             self._ready.add(ev.replica_id)
         elif isinstance(ev, ReplicaDrained):
