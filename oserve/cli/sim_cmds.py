@@ -45,6 +45,16 @@ def _json_safe(value):
     return value
 
 
+def _save_report(out: Path, name: str, result: dict, plot) -> None:
+    """Write a bench's result as `out/name.json`, draw its plot with `plot(report)` and record the folder."""
+    from oserve.observability import report
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(_json_safe(result), indent=2))
+    plot(report)
+    result["report"] = str(out)
+
+
 def _table(comparison, scenario) -> Table:
     res = comparison.results
     ref = res.get("oserve")
@@ -317,12 +327,9 @@ def bench_e2e(
                                                            [r["speedup_p99"].get(k, math.nan) for r in rows])
                                       for k in BASELINES}}
     if out is not None:
-        from oserve.observability import report
-
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "e2e.json").write_text(json.dumps(_json_safe(result), indent=2))
-        report.speedups(rows, out / "speedups.png", f"{model} at load {load}: OServe's P99 speedup")
-        result["report"] = str(out)
+        _save_report(out, "e2e", result,
+                     lambda report: report.speedups(rows, out / "speedups.png",
+                                                    f"{model} at load {load}: OServe's P99 speedup"))
     if json_out:
         typer.echo(json.dumps(_json_safe(result), indent=2))
         return
@@ -390,13 +397,10 @@ def bench_ceiling(
               "oserve_over_best": over_best(refs["oserve"]), "static_over_best": over_best(refs["vllm-static"]),
               "seconds": time.perf_counter() - start, "outcomes": rows}
     if out is not None:
-        from oserve.observability import report
-
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ceiling.json").write_text(json.dumps(_json_safe(result), indent=2))
-        report.fixed_deployments(rows, refs, out / "fixed_deployments.png",
-                                 f"{scenario.name} on {gpus} GPUs: every fixed deployment's P99")
-        result["report"] = str(out)
+        _save_report(out, "ceiling", result,
+                     lambda report: report.fixed_deployments(
+                         rows, refs, out / "fixed_deployments.png",
+                         f"{scenario.name} on {gpus} GPUs: every fixed deployment's P99"))
     if json_out:
         typer.echo(json.dumps(_json_safe(result), indent=2))
         return
@@ -487,13 +491,10 @@ def bench_peeking(
     result = {"model": model, "gpus": gpus, "load": load, "steps": list(STEPS), "scenarios": rows,
               "skipped": skipped, "seconds": time.perf_counter() - start}
     if out is not None:
-        from oserve.observability import report
-
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "peeking.json").write_text(json.dumps(_json_safe(result), indent=2))
-        report.peeking(rows, list(STEPS), out / "peeking.png", f"{model} on {gpus} GPUs: OServe's P99 speedup over "
-                                                              f"vllm-static as each kind of peeking is removed")
-        result["report"] = str(out)
+        _save_report(out, "peeking", result,
+                     lambda report: report.peeking(rows, list(STEPS), out / "peeking.png",
+                                                   f"{model} on {gpus} GPUs: OServe's P99 speedup over "
+                                                   f"vllm-static as each kind of peeking is removed"))
     if json_out:
         typer.echo(json.dumps(_json_safe(result), indent=2))
         return
