@@ -149,6 +149,8 @@ class SimReplica:
         self.total_blocks = max(1, kv_tokens // block_tokens)
         self.free_blocks = self.total_blocks
         self.available_s = available_s  # not serving before this (switching in)
+        self.ready = True
+        """False while switching in, as routers see it (`oserve.routing.ReplicaLoad.ready`); the kernel sets it."""
         self.waiting: deque[SimRequest] = deque()
         self.prefilling: list[SimRequest] = []  # admitted, prompt not done, in admission order
         self.tbt = tbt_histogram if tbt_histogram is not None else TokenHistogram()

@@ -10,6 +10,9 @@ eligible replicas keeps the plan's split and absorbs the forecast's error.
 Load is KV demand: the blocks in use plus those the queued prompts need, as a fraction of the
 replica's blocks (what vLLM reports as KV-cache usage, with its waiting queue); ties go to fewer
 requests, then to the lower index.
+
+A replica still loading its weights (switching in) is not ready: a real router does not know it until
+its engine is up. It gets a request only when no ready replica accepts; requests then wait in its queue.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ class ReplicaLoad(Protocol):
     @property
     def accepting(self) -> bool:
         """False while draining or retiring: route nothing new there."""
+
+    @property
+    def ready(self) -> bool:
+        """Serving now; False while it switches in (its weights still arriving)."""
 
     @property
     def kv_load_frac(self) -> float:
@@ -47,17 +54,17 @@ class ReplicaLoad(Protocol):
 
 
 def least_loaded(loads: Sequence[ReplicaLoad], eligible: Sequence[float] | None) -> int | None:
-    """Index of the accepting replica with the least KV load among those with a positive weight in
-    `eligible` (all accepting replicas when `eligible` is None or none of those accepts); None when no
-    replica accepts. Pure."""
-    best, best_key = None, None
-    for pass_all in (False, True):
-        if pass_all and best is None and eligible is None:
-            break  # the first pass already looked at every replica
+    """Index of the accepting replica with the least KV load, looked for in turn among: the ready replicas
+    with a positive weight in `eligible`, all ready ones, the eligible ones still switching in, all
+    accepting ones (`eligible` None: every replica is eligible); None when no replica accepts. Pure."""
+    def allowed(k: int) -> bool:
+        return eligible is None or (k < len(eligible) and eligible[k] > 0)
+
+    passes = ((True, True), (True, False), (False, True), (False, False))
+    for need_ready, need_eligible in passes:
+        best, best_key = None, None
         for k, r in enumerate(loads):
-            if not r.accepting:
-                continue
-            if not pass_all and eligible is not None and (k >= len(eligible) or eligible[k] <= 0):
+            if not r.accepting or (need_ready and not r.ready) or (need_eligible and not allowed(k)):
                 continue
             key = (r.kv_load_frac, r.num_requests)
             if best_key is None or key < best_key:
@@ -69,10 +76,11 @@ def least_loaded(loads: Sequence[ReplicaLoad], eligible: Sequence[float] | None)
 
 def round_robin(loads: Sequence[ReplicaLoad], counter: int) -> int | None:
     """The first accepting replica at or after `counter` modulo the number of replicas (round robin,
-    skipping replicas that do not accept); None when none accepts. Pure."""
+    skipping replicas that do not accept), a ready one when any is; None when none accepts. Pure."""
     n = len(loads)
-    for step in range(n):
-        k = (counter + step) % n
-        if loads[k].accepting:
-            return k
+    for need_ready in (True, False):
+        for step in range(n):
+            k = (counter + step) % n
+            if loads[k].accepting and (loads[k].ready or not need_ready):
+                return k
     return None

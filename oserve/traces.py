@@ -114,6 +114,16 @@ class Trace:
                                                  self.output_tokens.tolist())):
             yield Request(f"{name}-{i}", t, n_in, n_out)
 
+    def served(self, context_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """How a server with a `context_tokens` window serves each request, as vLLM does: (refused, tokens
+        generated). A request is refused when its input plus max tokens (1 when none is given) exceeds
+        the window; an admitted one stops at its max tokens or at the window (at least 1 token); a
+        refused one keeps its trace length. Pure."""
+        inp, cap = self.input_tokens, self.max_tokens
+        refused = inp + np.maximum(cap, 1) > context_tokens
+        limit = np.where(cap > 0, np.minimum(cap, context_tokens - inp), context_tokens - inp)
+        return refused, np.where(refused, self.output_tokens, np.maximum(np.minimum(self.output_tokens, limit), 1))
+
     def slice_time(self, start_s: float, end_s: float) -> Trace:
         """The requests arriving in [start_s, end_s), with times re-based so start_s becomes 0. Pure."""
         if not (math.isfinite(start_s) and math.isfinite(end_s)) or end_s < start_s:

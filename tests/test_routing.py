@@ -16,23 +16,29 @@ class Load:
     accepting: bool
     kv_load_frac: float
     num_requests: int
+    ready: bool = True
     num_running: int = 0
     kv_capacity_tokens: int = 1000
     incoming_kv_tokens: int = 0
 
 
-loads_st = st.lists(st.builds(Load, st.booleans(), st.floats(0, 2), st.integers(0, 50)), min_size=0, max_size=8)
+loads_st = st.lists(st.builds(Load, st.booleans(), st.floats(0, 2), st.integers(0, 50), st.booleans()),
+                    min_size=0, max_size=8)
 
 
 def reference(loads, eligible):
-    """The rule by brute force: the minimum (load, requests, index) over eligible accepting replicas, else over
-    all accepting ones."""
+    """The rule by brute force: the minimum (load, requests, index) over the accepting replicas that are
+    ready and eligible, else ready, else eligible, else any."""
     accepting = [k for k, r in enumerate(loads) if r.accepting]
-    allowed = [k for k in accepting if eligible is not None and k < len(eligible) and eligible[k] > 0]
-    pool = allowed if (eligible is not None and allowed) else accepting
-    if not pool:
-        return None
-    return min(pool, key=lambda k: (loads[k].kv_load_frac, loads[k].num_requests, k))
+    ready = [k for k in accepting if loads[k].ready]
+
+    def allowed(pool):
+        return pool if eligible is None else [k for k in pool if k < len(eligible) and eligible[k] > 0]
+
+    for pool in (allowed(ready), ready, allowed(accepting), accepting):
+        if pool:
+            return min(pool, key=lambda k: (loads[k].kv_load_frac, loads[k].num_requests, k))
+    return None
 
 
 @given(loads_st, st.one_of(st.none(), st.lists(st.floats(0, 3), max_size=8)))
@@ -41,23 +47,30 @@ def test_least_loaded_is_the_brute_force_minimum(loads, eligible) -> None:
 
 
 @given(loads_st, st.lists(st.floats(0, 3), max_size=8))
-def test_an_eligible_accepting_replica_is_always_preferred(loads, eligible) -> None:
+def test_a_ready_replica_is_preferred_then_an_eligible_one(loads, eligible) -> None:
     k = least_loaded(loads, eligible)
-    if any(r.accepting and i < len(eligible) and eligible[i] > 0 for i, r in enumerate(loads)):
-        assert k is not None and eligible[k] > 0 and loads[k].accepting
-    elif any(r.accepting for r in loads):
-        assert k is not None and loads[k].accepting
-    else:
+    if not any(r.accepting for r in loads):
         assert k is None
+        return
+    assert k is not None and loads[k].accepting
+    if any(r.accepting and r.ready for r in loads):
+        assert loads[k].ready  # a replica still loading its weights waits until none that serves accepts
+        if any(r.accepting and r.ready and i < len(eligible) and eligible[i] > 0 for i, r in enumerate(loads)):
+            assert eligible[k] > 0
+    elif any(r.accepting and i < len(eligible) and eligible[i] > 0 for i, r in enumerate(loads)):
+        assert eligible[k] > 0
 
 
 @given(loads_st, st.integers(0, 100))
-def test_round_robin_takes_the_next_accepting_replica(loads, counter) -> None:
+def test_round_robin_takes_the_next_accepting_replica_a_ready_one_first(loads, counter) -> None:
     k = round_robin(loads, counter)
     if not any(r.accepting for r in loads):
         assert k is None
         return
     n = len(loads)
     assert loads[k].accepting
+    any_ready = any(r.accepting and r.ready for r in loads)
+    assert loads[k].ready or not any_ready
     steps = (k - counter) % n
-    assert not any(loads[(counter + s) % n].accepting for s in range(steps))
+    assert not any(loads[(counter + s) % n].accepting and (loads[(counter + s) % n].ready or not any_ready)
+                   for s in range(steps))

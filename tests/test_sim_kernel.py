@@ -126,3 +126,30 @@ def test_unfinished_requests_make_the_percentile_infinite():
     res = simulate(LLAMA, H100, cluster, trace, policy, SimConfig(horizon_after_last_arrival_s=0.5))
     assert res.dropped.any()
     assert res.percentile("e2e", 99) == float("inf")  # more than 1% never finished
+
+
+class ReadinessRecorder(Scripted):
+    """Scripted, recording for each routed request whether the replica it went to was ready and whether
+    any ready replica accepted then."""
+
+    def __init__(self, decisions):
+        super().__init__(decisions)
+        self.routed: list[tuple[bool, bool]] = []
+
+    def route(self, class_index, loads):
+        k = super().route(class_index, loads)
+        self.routed.append((loads[k].ready, any(r.accepting and r.ready for r in loads)))
+        return k
+
+
+def test_a_replica_still_switching_in_gets_requests_only_when_no_ready_one_accepts(conv):
+    cluster = cluster_for_gpus(8)
+    a = _tp(4, 2, "a")
+    b = Deployment((a.replicas[0], Replica("b0", ReplicaShape(2), (4, 5)), Replica("b1", ReplicaShape(2), (6, 7))))
+    policy = ReadinessRecorder([Decision(a, _even(a), 0.0)] + [Decision(b, _even(b), 20.0)] * 20)
+    res = simulate(LLAMA, H100, cluster, conv.slice_time(0.0, 180.0), policy, SimConfig(span_s=60.0))
+    assert not res.dropped.any() and res.finished[res.admitted].all()
+    during_switch = (res.arrival_s[res.admitted] >= 60.0) & (res.arrival_s[res.admitted] < 80.0)
+    assert during_switch.sum() > 50  # b0 and b1 load their weights then, the kept a0 serves
+    # a0 is ready and accepts throughout: nothing waits on a replica that is still loading
+    assert policy.routed and all(ready for ready, _ in policy.routed)

@@ -111,6 +111,11 @@ class _Replica:
     incoming_kv_tokens: int = 0
 
     @property
+    def ready(self) -> bool:
+        """Always: the gateway knows a replica once its engine is up and sends heartbeats."""
+        return True
+
+    @property
     def kv_load_frac(self) -> float:
         return self.reported_kv_frac + (self.sent_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0)
 

@@ -55,12 +55,14 @@ class DynamoPolicy(Gateway):
         super().__init__(name, len(prior.class_names))
         self.ctx, self.shape = ctx, shape
         self.max_replicas = len(homogeneous_deployment(ctx.cluster, shape).replicas)
-        last = history.arrival_s >= history_s - span_s
+        # the history's last span as the gateway saw it: the requests it admitted, their lengths as served
+        refused, served = history.served(ctx.model.max_context_tokens)
+        last = (history.arrival_s >= history_s - span_s) & ~refused
         if not last.any():
             raise ConfigError("DynamoPolicy: the history's last span has no request to forecast from")
         self.count = float(last.sum())
         self.isl = float(history.input_tokens[last].mean())
-        self.osl = float(history.output_tokens[last].mean())
+        self.osl = float(served[last].mean())
         self._inputs: list[int] = []
 
     def classify(self, arrival: ArrivalInfo) -> int:

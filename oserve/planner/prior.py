@@ -62,12 +62,9 @@ def admitted_lengths(trace: Trace, model: ModelSpec) -> tuple[np.ndarray, np.nda
     """(mask of requests the model's context window admits, their input tokens, the tokens they generate):
     input plus max tokens (1 when none is given) must fit, and an answer stops at the window or at its
     max tokens, as vLLM serves them. Pure."""
-    context = model.max_context_tokens
-    inp, cap = trace.input_tokens, trace.max_tokens
-    ok = inp + np.maximum(cap, 1) <= context
-    limit = np.where(cap > 0, np.minimum(cap, context - inp), context - inp)
-    out = np.maximum(np.minimum(trace.output_tokens, limit), 1)
-    return ok, inp[ok], out[ok]
+    refused, out = trace.served(model.max_context_tokens)
+    ok = ~refused
+    return ok, trace.input_tokens[ok], out[ok]
 
 
 def fit_prior(history: Trace, model: ModelSpec, cluster: ClusterSpec, *, target: LatencyTarget = LatencyTarget(),

@@ -153,7 +153,9 @@ class DigitalTwin:
             one = np.concatenate(times)
             kind1 = np.concatenate(kinds)
             warm = min(self.config.replay_warmup_s, span_s)
-            tail = one >= span_s - warm
+            # strictly before the span's end: a copy of an arrival at the very end would land at `warm`,
+            # where the scored span starts, and be counted twice
+            tail = (one >= span_s - warm) & (one < span_s)
             if len(one) + int(tail.sum()) <= self.config.max_num_requests:
                 arrival = np.concatenate([one[tail] - (span_s - warm), one + warm])
                 kind = np.concatenate([kind1[tail], kind1])

@@ -18,7 +18,8 @@ policy is shown only what a gateway knows at that moment.
   re-routed, their running requests drain until the switch completes, and then what still runs moves
   to the new replicas: requests with at least `migrate_min_context_tokens` of context migrate with
   their KV cache, shorter ones are recomputed there; new replicas start serving `switch_s` after the
-  boundary (requests routed to them wait in their queue meanwhile).
+  boundary. Until then they are not ready: routers send them requests only when no ready replica
+  accepts (`oserve.routing`), and those wait in their queue.
 - Live migration, for a policy with a `migration_interval_s` (and `plan_migrations`): every interval
   the policy names running requests to move (`Migration`s). Each keeps decoding on its source for the
   move's `precopy_s` (the KV copied while it runs), leaves the source at the next step boundary, and
@@ -167,6 +168,10 @@ class _LoadView:
     @property
     def accepting(self) -> bool:
         return self._rep.accepting
+
+    @property
+    def ready(self) -> bool:
+        return self._rep.ready
 
     @property
     def kv_load_frac(self) -> float:
@@ -320,14 +325,9 @@ class _Kernel:
         self.t0 = float(self.arrival_s[0])
         self.last_arrival_s = float(self.arrival_s[-1])
         self.horizon = self.last_arrival_s + config.horizon_after_last_arrival_s
-        # the context window, as vLLM enforces it: input plus max tokens (1 when none is given) must fit;
-        # an answer without max tokens stops at the window
-        context = model.max_context_tokens
-        inp, cap = trace.input_tokens, trace.max_tokens
-        self.refused = inp + np.maximum(cap, 1) > context
-        limit = np.where(cap > 0, np.minimum(cap, context - inp), context - inp)
-        self.output_tokens = np.where(self.refused, trace.output_tokens,
-                                      np.maximum(np.minimum(trace.output_tokens, limit), 1))
+        # the context window, as vLLM enforces it
+        self.refused, self.output_tokens = trace.served(model.max_context_tokens)
+        inp = trace.input_tokens
         self.reqs = [SimRequest(i, -1, float(t), int(a), int(b))
                      for i, (t, a, b) in enumerate(zip(self.arrival_s.tolist(), inp.tolist(),
                                                        self.output_tokens.tolist()))]
@@ -400,6 +400,7 @@ class _Kernel:
             if rep is None:
                 rep = self.make_replica(spec, now + new.switch_s)
                 if new.switch_s > 0:
+                    rep.ready = False
                     self.push(now + new.switch_s, ACTIVATE, rep)
             rep.replica_id = spec.replica_id
             new_reps.append(rep)
@@ -568,6 +569,7 @@ class _Kernel:
             elif kind == SPAN:
                 self.on_span(payload, now)
             elif kind == ACTIVATE:
+                payload.ready = True
                 self.schedule(payload, payload.wake(now))
             elif kind == HANDOFF:
                 rep = payload
