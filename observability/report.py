@@ -146,6 +146,32 @@ def peeking(rows: list[dict], steps: list[str], path: Path, title: str = "") -> 
     return path
 
 
+def uncertainty(rows: list[dict], path: Path, title: str = "") -> Path:
+    """OServe's speedup over vllm-static against the accuracy of the classes it routes by, a line per
+    scenario, the estimator OServe really has as a marker. `rows`: `oserve bench uncertainty` rows."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for r in rows:
+        set_points = [p for p in r["points"] if p["label"] != "estimator"]
+        line = ax.plot([p["accuracy"] for p in set_points],
+                       [p["speedup"] if p["speedup"] is not None else np.nan for p in set_points],
+                       marker="o", label=r["scenario"])[0]
+        for p in r["points"]:
+            if p["label"] == "estimator" and p["speedup"] is not None:
+                ax.scatter([p["accuracy"]], [p["speedup"]], marker="*", s=160, color=line.get_color(),
+                           edgecolor="black", zorder=3)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("fraction of requests classed as their true type at arrival (measured)")
+    ax.set_ylabel("P99 of vllm-static / P99 of OServe")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, title="star: OServe's own estimator", title_fontsize=8)
+    ax.set_title(title or "OServe's speedup against type accuracy", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: Path, title: str = "") -> Path:
     """P99 of every fixed deployment, best first (bars), with the policies' P99s as horizontal lines.
 

@@ -53,6 +53,8 @@ def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
     (("bench", "ceiling", "--max-replicas", "0"), "--max-replicas must be >= 1"),
     (("bench", "ceiling", "--top", "0"), "--top must be >= 1"),
     (("bench", "e2e", "--set", "mine"), "--set must be one of"),
+    (("bench", "uncertainty", "--accuracies", "1,high"), "--accuracies must be numbers"),
+    (("bench", "uncertainty", "--accuracies", "1.5"), "--accuracies must each be in [0, 1]"),
     (("simulate", "--trace", "S1", "--history-minutes", "0"), "history_minutes must be > 0"),
     (("replay", "--minutes", "0"), "--minutes and --history-minutes must be > 0"),
     (("up", "--span-s", "-1"), "span_s"),
@@ -158,3 +160,18 @@ def test_bench_peeking_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
         assert s["oserve_p99_s"] > 0 and s["static_p99_s"] > 0
         assert s["speedup"] == pytest.approx(s["static_p99_s"] / s["oserve_p99_s"]) or s["speedup"] <= 1.0
     assert (tmp_path / "peeking.png").stat().st_size > 10_000
+
+
+def test_bench_uncertainty_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> None:
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "uncertainty", "--scenarios", "S5", "--minutes", "1",
+                             "--gpus", "8", "--accuracies", "1,0.6", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    result = json.loads(out)
+    (row,) = result["scenarios"]
+    assert row["scenario"] == "S5" and [p["label"] for p in row["points"]] == ["100%", "60%", "estimator"]
+    exact, noisy, estimator = row["points"]
+    assert exact["accuracy"] == 1.0 and abs(noisy["accuracy"] - 0.6) < 0.1 and 0 < estimator["accuracy"] <= 1
+    for p in row["points"]:
+        assert p["oserve_p99_s"] > 0
+        assert p["speedup"] == pytest.approx(row["static_p99_s"] / p["oserve_p99_s"]) or p["speedup"] <= 1.0
+    assert (tmp_path / "uncertainty.png").stat().st_size > 10_000

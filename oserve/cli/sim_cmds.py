@@ -45,6 +45,21 @@ def _json_safe(value):
     return value
 
 
+def _missing_servegen(name: str) -> str | None:
+    """Why a ServeGen scenario cannot run here (its traces live in ../shared/data, not in the package),
+    or None when it can or `name` is no ServeGen scenario."""
+    from oserve.errors import ConfigError
+    from oserve.servegen import resolve_servegen
+
+    if not name.startswith("servegen-"):
+        return None
+    try:
+        resolve_servegen(name)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _save_report(out: Path, name: str, result: dict, plot) -> None:
     """Write a bench's result as `out/name.json`, draw its plot with `plot(report)` and record the folder."""
     from oserve.observability import report
@@ -252,7 +267,6 @@ def bench_e2e(
     from oserve.errors import ConfigError
     from oserve.evaluation.registry import BASELINES
     from oserve.evaluation.tuning import TEST_SET, TUNING_SET
-    from oserve.servegen import resolve_servegen
 
     sets = {"test": TEST_SET, "tuning": TUNING_SET, "all": TUNING_SET + TEST_SET}
     if scenarios:
@@ -269,13 +283,10 @@ def bench_e2e(
         runs.append(("azure-conv", 32))
     skipped = []
     for name, n_gpus in list(runs):
-        if name.startswith("servegen-"):
-            try:
-                resolve_servegen(name)
-            except ConfigError as e:  # the ServeGen traces live in ../shared/data, not in the package
-                skipped.append({"name": name, "reason": str(e)})
-                console.print(f"{name}: skipped ({e})")
-                runs.remove((name, n_gpus))
+        if (reason := _missing_servegen(name)) is not None:
+            skipped.append({"name": name, "reason": reason})
+            console.print(f"{name}: skipped ({reason})")
+            runs.remove((name, n_gpus))
     workers = min(jobs or (os.cpu_count() or 1), len(runs)) or 1
     start = time.perf_counter()
     if workers > 1:
@@ -463,10 +474,8 @@ def bench_peeking(
 ) -> None:
     """What each kind of peeking the old evaluation allowed was worth: OServe's P99 speedup over vllm-static
     from the old evaluation to the honest one, removing one kind at a time (`oserve.evaluation.peeking`)."""
-    from oserve.errors import ConfigError
     from oserve.evaluation.peeking import STEPS, ablation
     from oserve.evaluation.scenarios import build_scenario
-    from oserve.servegen import resolve_servegen
     from oserve.specs import cluster_for_gpus, model_preset
 
     spec, cluster = model_preset(model), cluster_for_gpus(gpus)
@@ -476,12 +485,9 @@ def bench_peeking(
     with _progress(console) as bar:
         task = bar.add_task("peeking", total=None)
         for name in [n.strip() for n in scenarios.split(",") if n.strip()]:
-            if name.startswith("servegen-"):
-                try:
-                    resolve_servegen(name)
-                except ConfigError as e:
-                    skipped.append({"name": name, "reason": str(e)})
-                    continue
+            if (reason := _missing_servegen(name)) is not None:
+                skipped.append({"name": name, "reason": reason})
+                continue
             scenario = build_scenario(name, spec, cluster, load=load, minutes=minutes)
             steps = ablation(spec, cluster, scenario,
                              progress=lambda what, n=name: bar.update(task, description=f"{n}: {what}"))
@@ -508,3 +514,70 @@ def bench_peeking(
                           f"{_fmt(r['steps'][i]['static_p99_s'])})" for r in rows))
     out_console().print(t)
     out_console().print("cells: speedup (OServe P99 / vllm-static P99, seconds)")
+
+
+@bench_app.command("uncertainty")
+def bench_uncertainty(
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
+    scenarios: str = typer.Option("S4,T4,azure-conv,servegen-m-large", help="Comma-separated scenario names."),
+    accuracies: str = typer.Option("1,0.95,0.9,0.8", help="Comma-separated type accuracies in [0, 1]."),
+    minutes: float = typer.Option(None, help="Length of each window (default: as in bench e2e)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Path = typer.Option(None, help="Write uncertainty.json and uncertainty.png here."),
+) -> None:
+    """OServe's P99 speedup over vllm-static when requests are classed right at arrival with a set
+    accuracy, and with the estimator OServe really has (`oserve.evaluation.uncertainty`)."""
+    from oserve.errors import ConfigError
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.evaluation.uncertainty import curve
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    try:
+        levels = tuple(float(a) for a in accuracies.split(",") if a.strip())
+    except ValueError:
+        raise ConfigError(f"--accuracies must be numbers separated by commas, got {accuracies!r}") from None
+    if not levels or any(not 0.0 <= a <= 1.0 for a in levels):
+        raise ConfigError(f"--accuracies must each be in [0, 1], got {accuracies!r}")
+    spec, cluster = model_preset(model), cluster_for_gpus(gpus)
+    names = [n.strip() for n in scenarios.split(",") if n.strip()]
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    rows, skipped = [], []
+    with _progress(console) as bar:
+        task = bar.add_task("uncertainty", total=len(names) * (len(levels) + 2))
+        for name in names:
+            if (reason := _missing_servegen(name)) is not None:
+                skipped.append({"name": name, "reason": reason})
+                bar.update(task, advance=len(levels) + 2)
+                continue
+            scenario = build_scenario(name, spec, cluster, load=load, minutes=minutes)
+
+            def step(what: str, n: str = name) -> None:
+                bar.update(task, advance=1, description=f"{n}: {what}")
+
+            c = curve(spec, cluster, scenario, levels, progress=step)
+            rows.append({"scenario": c.scenario, "static_p99_s": c.static_p99_s, "static_shape": c.static_shape,
+                         "points": [{"label": p.label, "accuracy": p.accuracy, "oserve_p99_s": p.oserve_p99_s,
+                                     "speedup": p.speedup} for p in c.points]})
+    result = {"model": model, "gpus": gpus, "load": load, "accuracies": list(levels), "scenarios": rows,
+              "skipped": skipped, "seconds": time.perf_counter() - start}
+    if out is not None:
+        _save_report(out, "uncertainty", result,
+                     lambda report: report.uncertainty(rows, out / "uncertainty.png",
+                                                       f"{model} on {gpus} GPUs: OServe's speedup against the "
+                                                       f"accuracy of its classes"))
+    if json_out:
+        typer.echo(json.dumps(_json_safe(result), indent=2))
+        return
+    t = Table(title="OServe's P99 speedup over vllm-static by the accuracy of its classes at arrival")
+    t.add_column("classes")
+    for r in rows:
+        t.add_column(r["scenario"], justify="right")
+    for i, p in enumerate(rows[0]["points"] if rows else []):
+        t.add_row(p["label"], *(f"{_fmt(r['points'][i]['speedup'])} ({r['points'][i]['accuracy']:.0%} right)"
+                                for r in rows))
+    out_console().print(t)
+    for s in skipped:
+        out_console().print(f"{s['name']}: skipped ({s['reason']})")

@@ -153,11 +153,16 @@ def run_policy(setup: Setup, name: str, sim: SimConfig, progress: Callable[[floa
     policy = policy_spec(name).build(setup)
     r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.window, policy, sim, progress=progress,
                  timer=timer)
-    accuracy = math.nan
-    if getattr(policy, "classifies", False) and r.admitted.any():
-        truth = setup.prior.types.classify(r.input_tokens[r.admitted], r.output_tokens[r.admitted])
-        accuracy = float((r.routed_class[r.admitted] == truth).mean())
-    return r, accuracy
+    return r, (class_accuracy(r, setup.prior) if getattr(policy, "classifies", False) else math.nan)
+
+
+def class_accuracy(result: SimResult, prior: Prior) -> float:
+    """Fraction of the run's admitted requests whose class at arrival was their true type (by the prior's
+    types on true lengths); NaN when none was admitted. Pure."""
+    if not result.admitted.any():
+        return math.nan
+    truth = prior.types.classify(result.input_tokens[result.admitted], result.output_tokens[result.admitted])
+    return float((result.routed_class[result.admitted] == truth).mean())
 
 
 def compare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, policies: tuple[str, ...] = POLICY_NAMES,

@@ -49,13 +49,22 @@ class TrueTypePolicy(OServePolicy):
                          name="oserve-true-types")
         self.window = window
         self.types = setup.prior.types
+        self._served_output = window.served(setup.model.max_context_tokens)[1]  # its true length, as served
 
     def classify(self, arrival: ArrivalInfo) -> int:
-        cls = self.types.classify_one(arrival.input_tokens, int(self.window.output_tokens[arrival.request_index]))
-        self._counts[cls] += 1
-        self._offsets.append(arrival.arrival_s - self._span_start_s)
-        self._classes.append(cls)
-        return cls
+        return self._record(arrival, self.true_type(arrival))
+
+    def true_type(self, arrival: ArrivalInfo) -> int:
+        return self.types.classify_one(arrival.input_tokens, int(self._served_output[arrival.request_index]))
+
+
+def true_type_setup(setup: Setup, prior: Prior, config: EvalConfig) -> Setup:
+    """`setup` with `prior` planned as the old evaluation planned: each class is a type itself (its
+    capacity the type's), as when requests are routed by their true type."""
+    model, cluster = setup.model, setup.cluster
+    table = CapacityTable(model, cluster.gpu, prior.types, config.target, gpus_per_node=cluster.gpus_per_node)
+    return replace(setup, prior=replace(prior, lengths=prior.types, table=table),
+                   ctx=PlanningContext(model, cluster, table, config.costs))
 
 
 def window_prior(scenario: Scenario, model: ModelSpec, cluster: ClusterSpec, config: EvalConfig) -> Prior:
@@ -94,12 +103,6 @@ def ablation(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config:
             progress(label)
         return simulate(model, cluster.gpu, cluster, scenario.window, policy, config.sim)
 
-    def true_type_setup(prior: Prior) -> Setup:
-        # routed by true type, OServe plans with the types themselves (as the old evaluation did)
-        table = CapacityTable(model, cluster.gpu, prior.types, config.target, gpus_per_node=cluster.gpus_per_node)
-        return replace(honest, prior=replace(prior, lengths=prior.types, table=table),
-                       ctx=PlanningContext(model, cluster, table, config.costs))
-
     from oserve.evaluation.baselines import RoundRobinPolicy, StaticPolicy
 
     k = len(honest.prior.class_names)
@@ -109,8 +112,10 @@ def ablation(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config:
         "ll-history": run("static least-loaded, history", StaticPolicy(honest.static, k)),
     }
     oserve = {
-        "peeked": run("oserve, true types, window fit", TrueTypePolicy(true_type_setup(peeked_prior), scenario.window)),
-        "history": run("oserve, true types, history fit", TrueTypePolicy(true_type_setup(honest.prior), scenario.window)),
+        "peeked": run("oserve, true types, window fit",
+                      TrueTypePolicy(true_type_setup(honest, peeked_prior, config), scenario.window)),
+        "history": run("oserve, true types, history fit",
+                       TrueTypePolicy(true_type_setup(honest, honest.prior, config), scenario.window)),
         "honest": run("oserve, honest", OServePolicy(honest.ctx, honest.prior, honest.new_forecaster(), honest.span_s,
                                                     honest.planner)),
     }

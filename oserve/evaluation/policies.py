@@ -70,6 +70,10 @@ class Gateway:
             if cls < 0:
                 cls = self._classes_seen[key] = self.estimator.predict_one(
                     arrival.input_tokens, tag=client_tag(arrival.client_id), max_tokens=arrival.max_tokens or None)
+        return self._record(arrival, cls)
+
+    def _record(self, arrival: ArrivalInfo, cls: int) -> int:
+        """Count the arrival in class `cls` for the span's counts and arrival pattern; return `cls`."""
         self._counts[cls] += 1
         self._offsets.append(arrival.arrival_s - self._span_start_s)
         self._classes.append(cls)

@@ -1,0 +1,76 @@
+"""The accuracy curve's classes (`oserve.evaluation.uncertainty`): each request right with the set
+probability, the errors really errors, nested across accuracies, and the 100% point the true type as
+served (capped at the context window), checked against the kernel's own record of lengths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from oserve.evaluation.compare import EvalConfig, class_accuracy, prepare
+from oserve.evaluation.peeking import TrueTypePolicy, true_type_setup
+from oserve.evaluation.scenarios import build_scenario
+from oserve.evaluation.uncertainty import NoisyTypePolicy, wrong_class
+from oserve.sim.kernel import ArrivalInfo, simulate
+from oserve.specs import GPUS, cluster_for_gpus, model_preset
+
+LLAMA = model_preset("llama2-70b")
+CONFIG = EvalConfig(static_candidates=1, bound=False)
+
+
+@given(st.integers(2, 9).flatmap(lambda k: st.tuples(st.just(k), st.integers(0, k - 1))),
+       st.floats(0.0, 1.0, exclude_max=True))
+def test_a_wrong_class_is_another_class(k_true, u) -> None:
+    k, true = k_true
+    j = wrong_class(true, k, u)
+    assert 0 <= j < k and j != true
+
+
+@given(st.integers(2, 9).flatmap(lambda k: st.tuples(st.just(k), st.integers(0, k - 1))))
+def test_wrong_classes_cover_every_other_class(k_true) -> None:
+    k, true = k_true
+    assert {wrong_class(true, k, (i + 0.5) / (k - 1)) for i in range(k - 1)} == set(range(k)) - {true}
+
+
+@pytest.fixture(scope="module")
+def typed():
+    cluster = cluster_for_gpus(8)
+    scenario = build_scenario("S5", LLAMA, cluster, minutes=4, history_minutes=3, seed=2)
+    setup = prepare(LLAMA, cluster, scenario, CONFIG, needs_static=False).setup
+    return scenario, true_type_setup(setup, setup.prior, CONFIG)
+
+
+def _classes(policy, window, admitted) -> np.ndarray:
+    return np.array([policy.classify(ArrivalInfo(int(i), float(window.arrival_s[i]), int(window.input_tokens[i]),
+                                                 int(window.max_tokens[i]), int(window.client_ids[i])))
+                     for i in np.nonzero(admitted)[0]])
+
+
+def test_each_request_is_right_with_the_set_probability_and_errors_nest(typed) -> None:
+    scenario, setup = typed
+    window = scenario.window
+    refused, served = window.served(LLAMA.max_context_tokens)
+    admitted = ~refused
+    truth = setup.prior.types.classify(window.input_tokens[admitted], served[admitted])
+    right = {}
+    for p in (1.0, 0.9, 0.8, 0.0):
+        got = _classes(NoisyTypePolicy(setup, window, p, seed=3), window, admitted)
+        right[p] = got == truth
+        n = len(got)
+        assert abs(right[p].mean() - p) <= 4 * np.sqrt(p * (1 - p) / n) + 1e-12, (p, right[p].mean())
+    assert right[1.0].all() and not right[0.0].any()
+    assert np.all(right[1.0] >= right[0.9]) and np.all(right[0.9] >= right[0.8])  # nested errors
+
+
+def test_the_true_type_is_the_served_length_s_type(typed) -> None:
+    """Some of the window's answers are longer than the context window leaves them: the true type is
+    the type of what is served, the kernel's record agrees, so the 100% point is 100% right."""
+    scenario, setup = typed
+    window = scenario.window
+    refused, served = window.served(LLAMA.max_context_tokens)
+    assert (served[~refused] < window.output_tokens[~refused]).any()  # the case this test is about
+    policy = TrueTypePolicy(setup, window)
+    result = simulate(LLAMA, GPUS["h100-80gb"], setup.cluster, window, policy, CONFIG.sim)
+    assert class_accuracy(result, setup.prior) == 1.0
