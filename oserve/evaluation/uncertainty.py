@@ -97,11 +97,12 @@ def curve(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, accuracies
         return simulate(model, cluster.gpu, cluster, scenario.window, policy, config.sim)
 
     static = run("vllm-static", StaticPolicy(honest.static, len(honest.prior.class_names)))
-    points = []
-    for p in accuracies:
-        r = run(f"oserve at {p:.0%}", NoisyTypePolicy(typed, scenario.window, p, seed))
-        points.append(CurvePoint(f"{p:.0%}", class_accuracy(r, honest.prior), r.percentile("e2e", 99), speedup(r, static)))
-    r = run("oserve with its estimator", OServePolicy(honest.ctx, honest.prior, honest.new_forecaster(),
-                                                      honest.span_s, honest.planner))
-    points.append(CurvePoint("estimator", class_accuracy(r, honest.prior), r.percentile("e2e", 99), speedup(r, static)))
+    def point(label: str, r: SimResult) -> CurvePoint:
+        return CurvePoint(label, class_accuracy(r, honest.prior), r.percentile("e2e", 99), speedup(r, static))
+
+    points = [point(f"{p:.0%}", run(f"oserve at {p:.0%}", NoisyTypePolicy(typed, scenario.window, p, seed)))
+              for p in accuracies]
+    points.append(point("estimator", run("oserve with its estimator",
+                                         OServePolicy(honest.ctx, honest.prior, honest.new_forecaster(),
+                                                      honest.span_s, honest.planner))))
     return Curve(scenario.name, static.percentile("e2e", 99), str(honest.static.replicas[0].shape), tuple(points))
