@@ -12,7 +12,7 @@ from oserve.decision import Decision
 from oserve.engine_model import SimReplica
 from oserve.evaluation.llumnix import LlumnixPolicy, freeness_tokens, load_freeness_tokens
 from oserve.planner.candidates import homogeneous_deployment
-from oserve.sim.kernel import SimConfig, SimResult, _LoadView, simulate
+from oserve.sim.kernel import BalancerView, SimConfig, SimResult, _LoadView, simulate
 from oserve.specs import (GPUS, ClusterSpec, Deployment, EngineConfig, MemoryConfig, Replica, ReplicaShape,
                           cluster_for_gpus, model_preset)
 from oserve.traces import Trace
@@ -75,7 +75,9 @@ class Checked:
         return 0 if pinned else self.inner.route(class_index, loads)
 
     def plan_migrations(self, replicas, now_s):
-        self.check(replicas)
+        # the test looks inside the replicas behind the balancer views, as route does behind load views
+        assert all(isinstance(v, BalancerView) for v in replicas)
+        self.check([v._rep for v in replicas])
         moves = self.inner.plan_migrations(replicas, now_s)
         self.num_planned += len(moves)
         return moves
@@ -221,11 +223,11 @@ def test_migration_cost_model():
     reps = [SimReplica(f"r{i}", ReplicaShape(4), None, EngineConfig(), 16_000) for i in range(3)]
     for rep, gpus in zip(reps, ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))):
         rep.gpu_ids = gpus
-    pre_short, down_short = policy.migration_times(100, reps[0], reps[1])
-    pre_long, down_long = policy.migration_times(10_000, reps[0], reps[1])
+    pre_short, down_short = policy.migration_times(100, BalancerView(reps[0]), BalancerView(reps[1]))
+    pre_long, down_long = policy.migration_times(10_000, BalancerView(reps[0]), BalancerView(reps[1]))
     assert down_short == down_long and 0.02 <= down_long < 0.03  # near-constant downtime
     assert pre_long == pytest.approx(100 * pre_short)  # the copy overlapped with decoding grows with context
-    pre_far, down_far = policy.migration_times(10_000, reps[0], reps[2])
+    pre_far, down_far = policy.migration_times(10_000, BalancerView(reps[0]), BalancerView(reps[2]))
     assert pre_far > pre_long and down_far > down_long  # across nodes the network is slower than NVLink
 
 
@@ -235,8 +237,9 @@ def test_dispatch_goes_to_the_freest_replica():
     reps = [SimReplica(f"r{i}", ReplicaShape(4), None, EngineConfig(), 16_000) for i in range(2)]
     loads = [_LoadView(r) for r in reps]
     reps[0].free_blocks -= 500
-    assert freeness_tokens(reps[0]) < freeness_tokens(reps[1])
-    assert [load_freeness_tokens(x) for x in loads] == [freeness_tokens(r) for r in reps]
+    views = [BalancerView(r) for r in reps]
+    assert freeness_tokens(views[0]) < freeness_tokens(views[1])
+    assert [load_freeness_tokens(x) for x in loads] == [freeness_tokens(v) for v in views]
     assert policy.route(0, loads) == 1
     reps[1].incoming_kv_blocks = 600  # reserved for a migration counts as used
     assert policy.route(0, loads) == 0

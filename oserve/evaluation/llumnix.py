@@ -37,20 +37,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from oserve.engine_model import SimReplica
 from oserve.errors import ConfigError
 from oserve.evaluation.baselines import StaticPolicy
 from oserve.routing import ReplicaLoad
-from oserve.sim.kernel import Migration
+from oserve.sim.kernel import BalancerView, Migration
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, stage_kv_bytes_per_token
 
 
-def virtual_blocks(rep: SimReplica) -> float:
+def virtual_blocks(rep: BalancerView) -> float:
     """KV blocks in use, demanded by the queue, and reserved for requests migrating in. Pure."""
-    return rep.kv_load_frac() * rep.total_blocks + rep.incoming_kv_blocks
+    return rep.kv_load_frac * rep.total_blocks + rep.incoming_kv_blocks
 
 
-def freeness_tokens(rep: SimReplica) -> float:
+def freeness_tokens(rep: BalancerView) -> float:
     """Tokens each running request could still grow by before the KV cache is full (may be < 0). Pure."""
     free = (rep.total_blocks - virtual_blocks(rep)) * rep.block_tokens
     return free / max(1, rep.num_running)
@@ -61,10 +60,6 @@ def load_freeness_tokens(load: ReplicaLoad) -> float:
     capacity = load.kv_capacity_tokens
     free = capacity - load.kv_load_frac * capacity - load.incoming_kv_tokens
     return free / max(1, load.num_running)
-
-
-def _max_seqs(rep: SimReplica) -> int:
-    return rep.engine.max_num_seqs * rep.shape.pp
 
 
 class LlumnixPolicy(StaticPolicy):
@@ -116,7 +111,7 @@ class LlumnixPolicy(StaticPolicy):
                 best, best_key = k, key
         return best
 
-    def migration_times(self, context_tokens: int, src: SimReplica, dst: SimReplica) -> tuple[float, float]:
+    def migration_times(self, context_tokens: int, src: BalancerView, dst: BalancerView) -> tuple[float, float]:
         """(precopy_s, downtime_s) of moving a request with this context from `src` to `dst` (module doc). Pure."""
         per_token_bytes = max(stage_kv_bytes_per_token(self.model, src.shape))
         cluster = self.cluster
@@ -127,20 +122,20 @@ class LlumnixPolicy(StaticPolicy):
         downtime_s = self.migration_fixed_s + src.block_tokens * per_token_bytes / bytes_per_s
         return precopy_s, downtime_s
 
-    def _is_source(self, rep: SimReplica) -> bool:
+    def _is_source(self, rep: BalancerView) -> bool:
         if not rep.accepting:
             return False  # a retiring replica hands its requests off by itself
-        slot_bound = bool(rep.waiting) and rep.num_running >= _max_seqs(rep)
+        slot_bound = rep.num_waiting > 0 and rep.num_running >= rep.max_num_seqs
         return slot_bound or freeness_tokens(rep) < self.migrate_out_freeness_tokens
 
-    def _takes(self, rep: SimReplica, extra_blocks: int, extra_seqs: int) -> bool:
+    def _takes(self, rep: BalancerView, extra_blocks: int, extra_seqs: int) -> bool:
         """Whether `rep` stays a healthy destination after receiving `extra_seqs` requests of `extra_blocks`."""
-        if not rep.accepting or rep.waiting or rep.num_running + extra_seqs > _max_seqs(rep):
+        if not rep.accepting or rep.num_waiting or rep.num_running + extra_seqs > rep.max_num_seqs:
             return False
         free = (rep.total_blocks - virtual_blocks(rep) - extra_blocks) * rep.block_tokens
         return free / max(1, rep.num_running + extra_seqs) > self.migrate_in_freeness_tokens
 
-    def plan_migrations(self, replicas: list[SimReplica], now_s: float) -> list[Migration]:
+    def plan_migrations(self, replicas: list[BalancerView], now_s: float) -> list[Migration]:
         """Pair overloaded replicas with the least loaded and pick what to move. Pure (reads replicas)."""
         if len(replicas) < 2:
             return []
@@ -154,17 +149,16 @@ class LlumnixPolicy(StaticPolicy):
         moves: list[Migration] = []
         for s, d in zip(sources, dests):
             src, dst = replicas[s], replicas[d]
-            candidates = sorted(((ctx, r.request_id, r) for ctx, r in src.decoding_requests()
-                                 if r.request_id not in src.migrating_out), key=lambda c: (c[0], c[1]))
+            candidates = sorted(src.decoding_contexts())
             blocks = seqs = 0
-            for ctx, _, req in candidates:
+            for ctx, request_id in candidates:
                 if seqs >= self.max_migrations_per_pair:
                     break
                 need = -(-(ctx + 1) // dst.block_tokens)  # its context plus the token of its next step
                 if not self._takes(dst, blocks + need, seqs + 1):
                     break  # shortest first: a longer one fits no better
                 precopy_s, downtime_s = self.migration_times(ctx, src, dst)
-                moves.append(Migration(s, d, req, need, precopy_s, downtime_s))
+                moves.append(Migration(s, d, request_id, need, precopy_s, downtime_s))
                 blocks += need
                 seqs += 1
         return moves

@@ -25,7 +25,8 @@ policy is shown only what a gateway knows at that moment.
   move's `precopy_s` (the KV copied while it runs), leaves the source at the next step boundary, and
   after `downtime_s` (the last copy stage) is queued first on the destination with its KV, so it
   resumes without a recompute. Such a policy is a balancer inside the engines (Llumnix's llumlets):
-  it sees the replicas' running requests and their contexts, still not their output lengths.
+  it sees each replica through a `BalancerView`: its KV accounting and the ids and contexts of the
+  requests it decodes, never their output lengths.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from oserve.engine_model import SimReplica, SimRequest, TokenHistogram
 from oserve.errors import ConfigError
 from oserve.perfmodel import PerfModel
 from oserve.routing import ReplicaLoad
-from oserve.specs import ClusterSpec, EngineConfig, GPUSpec, MemoryConfig, ModelSpec, Replica, kv_capacity_tokens
+from oserve.specs import (ClusterSpec, EngineConfig, GPUSpec, MemoryConfig, ModelSpec, Replica, ReplicaShape,
+                          kv_capacity_tokens)
 from oserve.traces import Trace
 
 ARRIVAL, STEP_END, SPAN, ACTIVATE, HANDOFF, MIGRATE, MIGRATE_OUT, MIGRATE_IN = 0, 1, 2, 3, 4, 5, 6, 7
@@ -81,8 +83,8 @@ class Migration:
     src_index: int
     """Index of the source in the replicas the policy was shown."""
     dst_index: int
-    request: SimRequest
-    """A request decoding on the source."""
+    request_id: int
+    """A request decoding on the source (`BalancerView.decoding_contexts`)."""
     kv_blocks: int
     """KV blocks the destination reserves for it while it is in flight."""
     precopy_s: float
@@ -154,7 +156,7 @@ class Policy(Protocol):
 
     # Optional, for live migration (the kernel checks with getattr):
     # migration_interval_s: float | None — seconds between two `plan_migrations` calls; None: never.
-    # def plan_migrations(self, replicas: list[SimReplica], now_s: float) -> list[Migration]: ...
+    # def plan_migrations(self, replicas: list[BalancerView], now_s: float) -> list[Migration]: ...
 
 
 class _LoadView:
@@ -192,6 +194,62 @@ class _LoadView:
     @property
     def incoming_kv_tokens(self) -> int:
         return self._rep.incoming_kv_blocks * self._rep.block_tokens
+
+
+class BalancerView:
+    """What a balancer inside the engines (Llumnix's llumlets) sees of a replica, read live: its KV
+    accounting, batch, placement and the context of each request it decodes; never an output length."""
+
+    __slots__ = ("_rep",)
+
+    def __init__(self, rep: SimReplica) -> None:
+        self._rep = rep
+
+    @property
+    def accepting(self) -> bool:
+        return self._rep.accepting
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._rep.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return self._rep.num_running
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests its batch holds (the engine's limit times its pipeline stages)."""
+        return self._rep.engine.max_num_seqs * self._rep.shape.pp
+
+    @property
+    def total_blocks(self) -> int:
+        return self._rep.total_blocks
+
+    @property
+    def block_tokens(self) -> int:
+        return self._rep.block_tokens
+
+    @property
+    def kv_load_frac(self) -> float:
+        return self._rep.kv_load_frac()
+
+    @property
+    def incoming_kv_blocks(self) -> int:
+        return self._rep.incoming_kv_blocks
+
+    @property
+    def shape(self) -> ReplicaShape:
+        return self._rep.shape
+
+    @property
+    def gpu_ids(self) -> tuple[int, ...]:
+        return self._rep.gpu_ids
+
+    def decoding_contexts(self) -> list[tuple[int, int]]:
+        """(context tokens, request id) of each request decoding here and not already leaving."""
+        leaving = self._rep.migrating_out
+        return [(ctx, r.request_id) for ctx, r in self._rep.decoding_requests() if r.request_id not in leaving]
 
 
 @dataclass
@@ -441,11 +499,12 @@ class _Kernel:
 
     def on_migrate(self, now: float, arrivals_left: bool) -> None:
         """Ask the policy what to move, start those moves, and tick again while there is work."""
-        for m in self.policy.plan_migrations(self.replicas, now):
-            if not (0 <= m.src_index < len(self.replicas) and 0 <= m.dst_index < len(self.replicas)):
-                raise ConfigError(f"{self.policy.name}: migration between replicas {m.src_index} -> {m.dst_index} "
-                                  f"of {len(self.replicas)}")
-            src, dst, req = self.replicas[m.src_index], self.replicas[m.dst_index], m.request
+        for m in self.policy.plan_migrations([BalancerView(r) for r in self.replicas], now):
+            if not (0 <= m.src_index < len(self.replicas) and 0 <= m.dst_index < len(self.replicas)
+                    and 0 <= m.request_id < len(self.reqs)):
+                raise ConfigError(f"{self.policy.name}: migration of request {m.request_id} between replicas "
+                                  f"{m.src_index} -> {m.dst_index} of {len(self.replicas)}")
+            src, dst, req = self.replicas[m.src_index], self.replicas[m.dst_index], self.reqs[m.request_id]
             if src is dst or not dst.accepting or not src.is_decoding(req) or req.request_id in src.migrating_out:
                 continue  # not movable (any more): the policy's view was stale or it asked twice
             src.migrating_out.add(req.request_id)
@@ -458,13 +517,13 @@ class _Kernel:
 
     def cancel_migration(self, m_entry) -> None:
         src, dst, m = m_entry
-        src.migrating_out.discard(m.request.request_id)
+        src.migrating_out.discard(m.request_id)
         dst.incoming_kv_blocks -= m.kv_blocks
 
     def migrate_out(self, entry, now: float) -> None:
         """The pre-copy is done: stop the request on its source at the next step boundary."""
         src, dst, m = entry
-        if not src.is_decoding(m.request) or id(src) in self.handoff_due:
+        if not src.is_decoding(self.reqs[m.request_id]) or id(src) in self.handoff_due:
             self.cancel_migration(entry)  # it finished, was preempted or handed off meanwhile
             return
         if not src.busy:
@@ -480,7 +539,7 @@ class _Kernel:
     def detach(self, src: SimReplica, entries: list, now: float) -> None:
         """Take the requests of `entries` off `src` (between its steps) and put them in flight."""
         for entry in entries:
-            req = entry[2].request
+            req = self.reqs[entry[2].request_id]
             if not src.is_decoding(req):
                 self.cancel_migration(entry)
                 continue
@@ -498,10 +557,11 @@ class _Kernel:
         """The last copy stage is done: the request resumes on its destination, first in the queue."""
         src, dst, m = entry
         dst.incoming_kv_blocks -= m.kv_blocks
+        req = self.reqs[m.request_id]
         if dst.accepting and any(r is dst for r in self.replicas):
-            self.schedule(dst, dst.enqueue(m.request, now, front=True))
+            self.schedule(dst, dst.enqueue(req, now, front=True))
         else:
-            self.dispatch(m.request, now)  # the destination retired meanwhile: any current replica, KV kept
+            self.dispatch(req, now)  # the destination retired meanwhile: any current replica, KV kept
 
     def on_span(self, i: int, now: float) -> None:
         view = SpanView(i, now, self.config.span_s, self.decision, tuple(self.completed))
