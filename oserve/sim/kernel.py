@@ -196,26 +196,15 @@ class _LoadView:
         return self._rep.incoming_kv_blocks * self._rep.block_tokens
 
 
-class BalancerView:
-    """What a balancer inside the engines (Llumnix's llumlets) sees of a replica, read live: its KV
+class BalancerView(_LoadView):
+    """What a balancer inside the engines (Llumnix's llumlets) sees of a replica, read live: its load, KV
     accounting, batch, placement and the context of each request it decodes; never an output length."""
 
-    __slots__ = ("_rep",)
-
-    def __init__(self, rep: SimReplica) -> None:
-        self._rep = rep
-
-    @property
-    def accepting(self) -> bool:
-        return self._rep.accepting
+    __slots__ = ()
 
     @property
     def num_waiting(self) -> int:
         return len(self._rep.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return self._rep.num_running
 
     @property
     def max_num_seqs(self) -> int:
@@ -229,10 +218,6 @@ class BalancerView:
     @property
     def block_tokens(self) -> int:
         return self._rep.block_tokens
-
-    @property
-    def kv_load_frac(self) -> float:
-        return self._rep.kv_load_frac()
 
     @property
     def incoming_kv_blocks(self) -> int:
