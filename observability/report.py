@@ -19,6 +19,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay the figure out, write it to `path` as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def latency_cdf(results: dict, path: Path, title: str = "") -> Path:
     """CDF of end-to-end latency and TTFT per policy (`results`: name -> SimResult), over the admitted
     requests (a curve that stops below 1 did not finish them all)."""
@@ -38,10 +46,7 @@ def latency_cdf(results: dict, path: Path, title: str = "") -> Path:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(title or "Latency CDF per policy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, Path(path))
 
 
 def deployment_timeline(spans: list[dict], num_gpus: int, path: Path, title: str = "") -> Path:
@@ -65,10 +70,7 @@ def deployment_timeline(spans: list[dict], num_gpus: int, path: Path, title: str
     ax.set_ylabel("GPU")
     ax.set_ylim(0, num_gpus)
     ax.set_title(title or "Deployment over time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, Path(path))
 
 
 def rates_and_forecast(spans: list[dict], counts: np.ndarray, type_names: tuple[str, ...], span_s: float, path: Path,
@@ -88,10 +90,7 @@ def rates_and_forecast(spans: list[dict], counts: np.ndarray, type_names: tuple[
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, fontsize=8)
     ax.set_title(title or "Per-type rates and forecast")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, Path(path))
 
 
 def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
@@ -118,10 +117,7 @@ def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
     axes[1].set_ylabel("speedup")
     axes[1].grid(alpha=0.3)
     fig.suptitle(title or "OServe's P99 end-to-end speedup (>1: OServe better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def peeking(rows: list[dict], steps: list[str], path: Path, title: str = "") -> Path:
@@ -140,10 +136,7 @@ def peeking(rows: list[dict], steps: list[str], path: Path, title: str = "") -> 
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title or "What each kind of peeking was worth")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def uncertainty(rows: list[dict], path: Path, title: str = "") -> Path:
@@ -166,10 +159,7 @@ def uncertainty(rows: list[dict], path: Path, title: str = "") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, title="star: OServe's own estimator", title_fontsize=8)
     ax.set_title(title or "OServe's speedup against type accuracy", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: Path, title: str = "") -> Path:
@@ -191,7 +181,4 @@ def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: 
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title or "Every fixed deployment (red: some requests dropped)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -60,7 +60,8 @@ def least_loaded(loads: Sequence[ReplicaLoad], eligible: Sequence[float] | None)
     def allowed(k: int) -> bool:
         return eligible is None or (k < len(eligible) and eligible[k] > 0)
 
-    passes = ((True, True), (True, False), (False, True), (False, False))
+    passes = (((True, True), (True, False), (False, True), (False, False)) if eligible is not None
+              else ((True, False), (False, False)))  # every replica eligible: two passes say it all
     for need_ready, need_eligible in passes:
         best, best_key = None, None
         for k, r in enumerate(loads):

@@ -60,7 +60,8 @@ class EngineHost(Worker):
         self._queue: asyncio.Queue[tuple[StartReplica | DrainReplica, dict | None]] = asyncio.Queue()
 
     async def _subscribe(self) -> list:
-        return [await self.nc.subscribe(self.config.subjects.host_control(self.config.host_id), cb=self.typed(HostCommand, self._on_command))]
+        subject = self.config.subjects.host_control(self.config.host_id)
+        return [await self.nc.subscribe(subject, cb=self.typed(HostCommand, self._on_command))]
 
     def _loops(self):
         return [self._command_loop]

@@ -80,8 +80,9 @@ class ForecasterStage(Worker):
     async def _subscribe(self) -> list:
         s = self.config.subjects
         if self.js is not None:
-            arrivals = await self.js.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived), ordered_consumer=True,
-                                               deliver_policy=DeliverPolicy.ALL, stream=s.stream_arrivals())
+            arrivals = await self.js.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived),
+                                               ordered_consumer=True, deliver_policy=DeliverPolicy.ALL,
+                                               stream=s.stream_arrivals())
         else:
             arrivals = await self.nc.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived))
         return [arrivals, await self.nc.subscribe(s.completions(), cb=self.typed(Completed, self._on_completed))]

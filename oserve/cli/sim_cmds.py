@@ -60,6 +60,26 @@ def _missing_servegen(name: str) -> str | None:
     return None
 
 
+def _order_stats(values: list[float]) -> dict:
+    """Median (upper), P90, max and count of `values` (NaN when there are none)."""
+    v = sorted(values)
+    if not v:
+        return {"median": math.nan, "p90": math.nan, "max": math.nan, "count": 0}
+    return {"median": v[len(v) // 2], "p90": v[int(0.9 * (len(v) - 1))], "max": v[-1], "count": len(v)}
+
+
+def _built_scenarios(scenarios: str, spec, cluster, load: float, minutes: float | None, skipped: list[dict]):
+    """Each named scenario built in turn, (name, scenario); a ServeGen one whose traces are absent is
+    appended to `skipped` with its reason instead."""
+    from oserve.evaluation.scenarios import build_scenario
+
+    for name in [n.strip() for n in scenarios.split(",") if n.strip()]:
+        if (reason := _missing_servegen(name)) is not None:
+            skipped.append({"name": name, "reason": reason})
+            continue
+        yield name, build_scenario(name, spec, cluster, load=load, minutes=minutes)
+
+
 def _save_report(out: Path, name: str, result: dict, plot) -> None:
     """Write a bench's result as `out/name.json`, draw its plot with `plot(report)` and record the folder."""
     from oserve.observability import report
@@ -225,7 +245,6 @@ def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | N
     scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
     res = comparison.results
     spans = [s for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
-    decide = sorted(s["decide_s"] for s in spans)
     return {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.window),
             "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
             "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
@@ -235,10 +254,14 @@ def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | N
             "throughput": {k: r.throughput_rps for k, r in res.items()},
             "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
             "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
-            "oserve_decide_s": {"median": decide[len(decide) // 2] if decide else math.nan,
-                                "max": decide[-1] if decide else math.nan, "count": len(decide),
+            "oserve_decide_s": {**_order_stats([s["decide_s"] for s in spans]),
                                 "all": [s["decide_s"] for s in spans], "labels": [s["label"] for s in spans]},
             "seconds": time.perf_counter() - began}
+
+
+def _print_e2e_row(console: Console, row: dict) -> None:
+    console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
+                  + f" ({row['seconds']:.0f} s)")
 
 
 def _e2e_worker(args: tuple) -> dict:
@@ -305,29 +328,22 @@ def bench_e2e(
             for future in as_completed(futures):
                 row = found[futures[future]] = future.result()
                 bar.update(task, advance=1)
-                console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
-                              + f" ({row['seconds']:.0f} s)")
+                _print_e2e_row(console, row)
         rows = [found[i] for i in range(len(runs))]
     else:
         rows = []
         for name, n_gpus in runs:
-            row = _e2e_row(name, n_gpus, model, load, minutes, console)
-            rows.append(row)
-            console.print(f"{row['name']}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_p99"].items())
-                          + f" ({row['seconds']:.0f} s)")
+            rows.append(_e2e_row(name, n_gpus, model, load, minutes, console))
+            _print_e2e_row(console, rows[-1])
     compared = (*BASELINES, "perfect-forecast")
     means = {k: _mean([r["speedup_p99"].get(k, math.nan) for r in rows]) for k in compared}
-    decide = sorted(t for r in rows for t in r["oserve_decide_s"]["all"])
+    decide = _order_stats([t for r in rows for t in r["oserve_decide_s"]["all"]])
     # the decisions that scored deployments on the twin (not a re-route of the deployment in force)
-    scoring = sorted(t for r in rows for t, label in zip(r["oserve_decide_s"]["all"], r["oserve_decide_s"]["labels"])
-                     if label != "reroute")
+    scoring = _order_stats([t for r in rows for t, label in zip(r["oserve_decide_s"]["all"],
+                                                               r["oserve_decide_s"]["labels"]) if label != "reroute"])
     result = {"model": model, "load": load, "set": "custom" if scenarios else scenario_set,
               "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start, "processes": workers,
-              "oserve_decide_s": {"median": decide[len(decide) // 2] if decide else math.nan,
-                                  "p90": decide[int(0.9 * (len(decide) - 1))] if decide else math.nan,
-                                  "max": decide[-1] if decide else math.nan, "count": len(decide),
-                                  "scoring_median": scoring[len(scoring) // 2] if scoring else math.nan,
-                                  "scoring_count": len(scoring)},
+              "oserve_decide_s": {**decide, "scoring_median": scoring["median"], "scoring_count": scoring["count"]},
               "mean_speedup_p99": {k: v[0] for k, v in means.items()},
               "geomean_speedup_p99": {k: v[1] for k, v in means.items()},
               "max_speedup_p99": {k: max((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
@@ -475,7 +491,6 @@ def bench_peeking(
     """What each kind of peeking the old evaluation allowed was worth: OServe's P99 speedup over vllm-static
     from the old evaluation to the honest one, removing one kind at a time (`oserve.evaluation.peeking`)."""
     from oserve.evaluation.peeking import STEPS, ablation
-    from oserve.evaluation.scenarios import build_scenario
     from oserve.specs import cluster_for_gpus, model_preset
 
     spec, cluster = model_preset(model), cluster_for_gpus(gpus)
@@ -484,11 +499,7 @@ def bench_peeking(
     rows, skipped = [], []
     with _progress(console) as bar:
         task = bar.add_task("peeking", total=None)
-        for name in [n.strip() for n in scenarios.split(",") if n.strip()]:
-            if (reason := _missing_servegen(name)) is not None:
-                skipped.append({"name": name, "reason": reason})
-                continue
-            scenario = build_scenario(name, spec, cluster, load=load, minutes=minutes)
+        for name, scenario in _built_scenarios(scenarios, spec, cluster, load, minutes, skipped):
             steps = ablation(spec, cluster, scenario,
                              progress=lambda what, n=name: bar.update(task, description=f"{n}: {what}"))
             rows.append({"scenario": scenario.name, "steps": [
@@ -530,7 +541,6 @@ def bench_uncertainty(
     """OServe's P99 speedup over vllm-static when requests are classed right at arrival with a set
     accuracy, and with the estimator OServe really has (`oserve.evaluation.uncertainty`)."""
     from oserve.errors import ConfigError
-    from oserve.evaluation.scenarios import build_scenario
     from oserve.evaluation.uncertainty import curve
     from oserve.specs import cluster_for_gpus, model_preset
 
@@ -541,18 +551,13 @@ def bench_uncertainty(
     if not levels or any(not 0.0 <= a <= 1.0 for a in levels):
         raise ConfigError(f"--accuracies must each be in [0, 1], got {accuracies!r}")
     spec, cluster = model_preset(model), cluster_for_gpus(gpus)
-    names = [n.strip() for n in scenarios.split(",") if n.strip()]
+    num_scenarios = len([n for n in scenarios.split(",") if n.strip()])
     console = Console(stderr=True)
     start = time.perf_counter()
     rows, skipped = [], []
     with _progress(console) as bar:
-        task = bar.add_task("uncertainty", total=len(names) * (len(levels) + 2))
-        for name in names:
-            if (reason := _missing_servegen(name)) is not None:
-                skipped.append({"name": name, "reason": reason})
-                bar.update(task, advance=len(levels) + 2)
-                continue
-            scenario = build_scenario(name, spec, cluster, load=load, minutes=minutes)
+        task = bar.add_task("uncertainty", total=num_scenarios * (len(levels) + 2))
+        for name, scenario in _built_scenarios(scenarios, spec, cluster, load, minutes, skipped):
 
             def step(what: str, n: str = name) -> None:
                 bar.update(task, advance=1, description=f"{n}: {what}")
@@ -561,6 +566,7 @@ def bench_uncertainty(
             rows.append({"scenario": c.scenario, "static_p99_s": c.static_p99_s, "static_shape": c.static_shape,
                          "points": [{"label": p.label, "accuracy": p.accuracy, "oserve_p99_s": p.oserve_p99_s,
                                      "speedup": p.speedup} for p in c.points]})
+        bar.update(task, completed=num_scenarios * (len(levels) + 2))  # skipped scenarios count as done
     result = {"model": model, "gpus": gpus, "load": load, "accuracies": list(levels), "scenarios": rows,
               "skipped": skipped, "seconds": time.perf_counter() - start}
     if out is not None:

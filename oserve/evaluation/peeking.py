@@ -80,6 +80,16 @@ def window_prior(scenario: Scenario, model: ModelSpec, cluster: ClusterSpec, con
     return replace(prior, counts=prior.counts[:num_history_spans])
 
 
+def window_runner(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: EvalConfig,
+                  progress: Callable[[str], None] | None = None) -> Callable[[str, object], SimResult]:
+    """`run(label, policy)`: the policy simulated on the scenario's window, `progress(label)` told first."""
+    def run(label: str, policy) -> SimResult:
+        if progress is not None:
+            progress(label)
+        return simulate(model, cluster.gpu, cluster, scenario.window, policy, config.sim)
+    return run
+
+
 @dataclass(frozen=True)
 class AblationRow:
     step: str
@@ -98,10 +108,7 @@ def ablation(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config:
                                                          history_s=scenario.window.duration_s + 1.0),
                                  honest.prior, config)
 
-    def run(label: str, policy) -> SimResult:
-        if progress is not None:
-            progress(label)
-        return simulate(model, cluster.gpu, cluster, scenario.window, policy, config.sim)
+    run = window_runner(model, cluster, scenario, config, progress)
 
     from oserve.evaluation.baselines import RoundRobinPolicy, StaticPolicy
 

@@ -23,12 +23,12 @@ import numpy as np
 
 from oserve.evaluation.baselines import StaticPolicy
 from oserve.evaluation.compare import EvalConfig, class_accuracy, prepare, speedup
-from oserve.evaluation.peeking import TrueTypePolicy, true_type_setup
+from oserve.evaluation.peeking import TrueTypePolicy, true_type_setup, window_runner
 from oserve.evaluation.policies import OServePolicy
 from oserve.evaluation.registry import Setup
 from oserve.evaluation.scenarios import Scenario
 from oserve.planner.prior import client_tag
-from oserve.sim.kernel import ArrivalInfo, SimResult, simulate
+from oserve.sim.kernel import ArrivalInfo, SimResult
 from oserve.specs import ClusterSpec, ModelSpec
 from oserve.traces import Trace
 
@@ -91,12 +91,9 @@ def curve(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, accuracies
     honest = prepare(model, cluster, scenario, config).setup
     typed = true_type_setup(honest, honest.prior, config)
 
-    def run(label: str, policy) -> SimResult:
-        if progress is not None:
-            progress(label)
-        return simulate(model, cluster.gpu, cluster, scenario.window, policy, config.sim)
-
+    run = window_runner(model, cluster, scenario, config, progress)
     static = run("vllm-static", StaticPolicy(honest.static, len(honest.prior.class_names)))
+
     def point(label: str, r: SimResult) -> CurvePoint:
         return CurvePoint(label, class_accuracy(r, honest.prior), r.percentile("e2e", 99), speedup(r, static))
 
