@@ -51,6 +51,16 @@ class Request:
     output_tokens: int
 
 
+def context_rule(input_tokens, max_tokens, context_tokens: int):
+    """vLLM's context-window rule, for one request (ints) or many (arrays): (refused, the answer's cap).
+    A request is refused when its input plus max tokens (1 when none is given, max tokens 0) exceeds
+    the window; an answer stops at its max tokens, or at the window when none is given. Pure."""
+    refused = input_tokens + np.maximum(max_tokens, 1) > context_tokens
+    cap = np.where(np.asarray(max_tokens) > 0, np.minimum(max_tokens, context_tokens - input_tokens),
+                   context_tokens - input_tokens)
+    return refused, cap
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Trace:
     """A request trace as columns: arrivals sorted ascending, in seconds from the trace's time origin.
@@ -115,13 +125,10 @@ class Trace:
             yield Request(f"{name}-{i}", t, n_in, n_out)
 
     def served(self, context_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """How a server with a `context_tokens` window serves each request, as vLLM does: (refused, tokens
-        generated). A request is refused when its input plus max tokens (1 when none is given) exceeds
-        the window; an admitted one stops at its max tokens or at the window (at least 1 token); a
-        refused one keeps its trace length. Pure."""
-        inp, cap = self.input_tokens, self.max_tokens
-        refused = inp + np.maximum(cap, 1) > context_tokens
-        limit = np.where(cap > 0, np.minimum(cap, context_tokens - inp), context_tokens - inp)
+        """How a server with a `context_tokens` window serves each request (`context_rule`): (refused,
+        tokens generated). An admitted request stops at its answer's cap (at least 1 token); a refused
+        one keeps its trace length. Pure."""
+        refused, limit = context_rule(self.input_tokens, self.max_tokens, context_tokens)
         return refused, np.where(refused, self.output_tokens, np.maximum(np.minimum(self.output_tokens, limit), 1))
 
     def slice_time(self, start_s: float, end_s: float) -> Trace:

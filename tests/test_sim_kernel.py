@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from oserve.decision import Decision
 from oserve.evaluation.scenarios import scale_volume
 from oserve.routing import least_loaded
 from oserve.sim.kernel import ArrivalInfo, CompletionInfo, SimConfig, SpanView, simulate
 from oserve.specs import GPUS, Deployment, Replica, ReplicaShape, cluster_for_gpus, model_preset
-from oserve.traces import Trace, load_trace
+from oserve.traces import Trace, context_rule, load_trace
 
 H100 = GPUS["h100-80gb"]
 LLAMA = model_preset("llama2-70b")
@@ -153,3 +155,19 @@ def test_a_replica_still_switching_in_gets_requests_only_when_no_ready_one_accep
     assert during_switch.sum() > 50  # b0 and b1 load their weights then, the kept a0 serves
     # a0 is ready and accepts throughout: nothing waits on a replica that is still loading
     assert policy.routed and all(ready for ready, _ in policy.routed)
+
+
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 5000)), min_size=1, max_size=30),
+       st.integers(2, 8192))
+def test_the_context_rule_is_one_rule_for_a_request_and_a_trace(requests, context) -> None:
+    """The live gateway applies `context_rule` to one request, the simulator to a whole trace: the same
+    answers, and vLLM's rule by its definition (refused when input plus max tokens, 1 when none, exceeds
+    the window; else the answer's cap is its max tokens or what the window leaves)."""
+    inp = np.array([i for i, _ in requests])
+    cap = np.array([m for _, m in requests])
+    refused_all, cap_all = context_rule(inp, cap, context)
+    for k, (i, m) in enumerate(requests):
+        refused, one_cap = context_rule(i, m, context)
+        assert bool(refused) == bool(refused_all[k]) == (i + (m or 1) > context)
+        if not refused:
+            assert int(one_cap) == int(cap_all[k]) == (m or context - i)

@@ -55,6 +55,7 @@ from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 from oserve.online_types import OnlineTypes
 from oserve.routing import least_loaded
+from oserve.traces import context_rule
 
 log = logging.getLogger(__name__)
 
@@ -320,13 +321,14 @@ class Gateway(Worker):
                 return
             cfg = self.config
             input_tokens = req.prompt_tokens()
-            if input_tokens + (req.max_tokens or 1) > cfg.max_context_tokens:
+            refused, cap = context_rule(input_tokens, req.max_tokens or 0, cfg.max_context_tokens)
+            if refused:
                 await self._reject(msg, req.request_id, ErrorCode.INVALID,
                                    f"this model's maximum context length is {cfg.max_context_tokens} tokens; the "
                                    f"request has {input_tokens} input tokens and asks for "
                                    f"{req.max_tokens or 'at least 1'} more")
                 return
-            max_tokens = req.max_tokens or cfg.max_context_tokens - input_tokens
+            max_tokens = int(cap)
             type_index, est = self._classify(input_tokens, req.max_tokens, req.output_hint_tokens)
             if span is not None:
                 span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,
