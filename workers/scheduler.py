@@ -27,6 +27,7 @@ from oserve.defaults import SPAN_S
 from oserve.errors import ConfigError
 from oserve.observability.tracing import extract, inject
 from oserve.planner.oserve import OServePlanner
+from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import ArrivalPattern
 from oserve.specs import Deployment, Replica, ReplicaShape
 from oserve.streams.schemas import Arrived, ForecastMade, ReplicaSpec, StrategyChosen, decode, encode
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 MSG_ID = "Nats-Msg-Id"  # JetStream stores a message once per id within the stream's duplicate window
 
 
-def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int) -> StrategyChosen:
-    """The bus form of a decision. Pure."""
+def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int, decide_wall_s: float = 0.0,
+                           budget_wall_s: float = 0.0) -> StrategyChosen:
+    """The bus form of a decision (with the wall seconds it took and its budget). Pure."""
     reps = decision.deployment.replicas
     return StrategyChosen(
         strategy_id=strategy_id, span_index=span_index,
@@ -47,7 +49,8 @@ def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int
                   for r in reps],
         weights=[{r.replica_id: float(w) for r, w in zip(reps, row)} for row in decision.weights],
         switch_s=float(decision.switch_s), forecast_rps=[float(x) for x in decision.forecast_rps],
-        label=decision.label, scored_rps=[float(x) for x in decision.scored_rps])
+        label=decision.label, scored_rps=[float(x) for x in decision.scored_rps], decide_wall_s=decide_wall_s,
+        budget_wall_s=budget_wall_s)
 
 
 def decision_from_strategy(s: StrategyChosen) -> Decision:
@@ -72,10 +75,16 @@ class SchedulerConfig:
     subjects: Subjects = field(default_factory=Subjects)
     span_s: float = SPAN_S
     """Span length on the clock (seconds); the forecasts it receives are per span."""
+    budget_frac: float = 0.1
+    """A decision should take at most this fraction of a span (in wall time, at the clock's speed): a plan
+    that arrives late serves less of the span it was made for. Held by `PlannerConfig.max_twin_scores`;
+    each strategy event carries the time taken and this budget, and overruns are counted."""
 
     def __post_init__(self) -> None:
         if not self.span_s > 0:
             raise ConfigError(f"SchedulerConfig.span_s must be > 0, got {self.span_s}")
+        if not 0 < self.budget_frac <= 1:
+            raise ConfigError(f"SchedulerConfig.budget_frac must be in (0, 1], got {self.budget_frac}")
 
 
 class SchedulerWorker(Worker):
@@ -83,11 +92,11 @@ class SchedulerWorker(Worker):
 
     name = "scheduler"
 
-    def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock, planner: OServePlanner,
-                 initial_rps: np.ndarray, *, tracer: Tracer | None = None) -> None:
+    def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock,
+                 planner: OServePlanner | StaticPlanner, initial_rps: np.ndarray, *, tracer: Tracer | None = None) -> None:
         super().__init__()
         self.nc, self.kv, self.config, self.clock, self.planner, self.tracer = nc, kv, config, clock, planner, tracer
-        k = len(planner.ctx.class_names)
+        k = len(planner.class_names)
         self.initial_rps = np.asarray(initial_rps, dtype=float)
         if self.initial_rps.shape != (k,):
             raise ConfigError(f"SchedulerWorker: initial_rps needs {k} rates, got {self.initial_rps.shape}")
@@ -95,6 +104,8 @@ class SchedulerWorker(Worker):
         self.strategies: list[StrategyChosen] = []
         self.decide_s: list[float] = []
         """Wall seconds each plan took."""
+        self.num_over_budget = 0
+        """Decisions (after the first, made before serving) that took longer than the budget."""
         self._arrivals: dict[int, list[tuple[float, int]]] = {}  # span index -> (offset_s, class) seen so far
         self._lock = asyncio.Lock()
         self._run_id = uuid.uuid4().hex[:12]  # message ids are unique per run of this worker
@@ -152,12 +163,18 @@ class SchedulerWorker(Worker):
             try:
                 started = time.perf_counter()
                 decision = await asyncio.to_thread(self.planner.plan, rates, self.current, recent, self.config.span_s)
-                self.decide_s.append(time.perf_counter() - started)
+                took = time.perf_counter() - started
+                self.decide_s.append(took)
+                budget = self.clock.to_wall_s(self.config.budget_frac * self.config.span_s)
+                if self.current is not None and took > budget:
+                    self.num_over_budget += 1
+                    log.warning("scheduler: the decision for span %d took %.2f s, over its budget of %.2f s",
+                                span_index + 1, took, budget)
                 strategy_id = f"s{span_index + 1}"
                 old = self.current.deployment if self.current else Deployment.empty()
                 decision = rename_new(decision, old, strategy_id)
                 self.current = decision
-                s = strategy_from_decision(decision, strategy_id, span_index + 1)
+                s = strategy_from_decision(decision, strategy_id, span_index + 1, took, budget)
                 await self.kv.put(Subjects.STRATEGY_KEY, encode(s))
                 headers_out = inject(span) if span is not None else {}
                 headers_out[MSG_ID] = f"{self._run_id}:{strategy_id}"

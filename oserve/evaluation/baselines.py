@@ -24,15 +24,11 @@ from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
 from oserve.planner.oserve import worth_switching
 from oserve.planner.prior import Prior
+from oserve.planner.static import everywhere
 from oserve.planner.twin import ArrivalPattern
 from oserve.routing import ReplicaLoad, least_loaded, round_robin
 from oserve.sim.kernel import SpanView
 from oserve.specs import Deployment
-
-
-def _everywhere(deployment: Deployment, k: int) -> tuple[tuple[float, ...], ...]:
-    """Weights that let every class use every replica."""
-    return tuple((1.0,) * len(deployment.replicas) for _ in range(k))
 
 
 class StaticPolicy(Gateway):
@@ -45,7 +41,7 @@ class StaticPolicy(Gateway):
     def plan(self, view: SpanView, counts: np.ndarray, pattern: ArrivalPattern) -> Decision | None:
         if view.current is not None:
             return None
-        return Decision(self.deployment, _everywhere(self.deployment, self.k), 0.0, (), "static")
+        return Decision(self.deployment, everywhere(self.deployment, self.k), 0.0, (), "static")
 
     def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
         return least_loaded(loads, None)

@@ -11,4 +11,6 @@ Pure: no asyncio, NATS or clock.
 - `neighbours`: the local search over deployments one move away.
 - `config`: every threshold of the planner, named, with its reason.
 - `oserve`: the planner itself.
+- `static`: the static baseline's decision (one deployment, every class everywhere), for the live demo's
+  static run and the simulator's vllm-static alike.
 """

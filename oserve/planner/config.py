@@ -55,6 +55,11 @@ class PlannerConfig:
     """Tuned. A neighbour's peak utilisation for the forecast may exceed the candidates' lowest by at most
     this fraction: the twin scores one span at the forecast's load, and a deployment that trades
     capacity for speed there is overrun when the load rises."""
+    max_twin_scores: int | None = None
+    """At most this many twin scorings per decision after the first (the candidates in their order — what
+    runs now first — then the neighbours); None: no limit. It is how a decision is held to a time
+    budget: a count, not a clock, so a decision stays the same in the simulator and live, on any
+    machine (the live scheduler measures the time it took and publishes it)."""
     min_served_gain_frac: float = 0.01
     """Capacity model only: switch to serve more only when the new plan serves this fraction more."""
     busy_peak_utilisation: float = 0.8
@@ -74,6 +79,9 @@ class PlannerConfig:
         if not self.candidate_slacks or any(not 0 <= s < 1 for s in self.candidate_slacks):
             raise ConfigError(f"PlannerConfig.candidate_slacks must be fractions in [0, 1), got "
                               f"{self.candidate_slacks}")
+        if self.max_twin_scores is not None and self.max_twin_scores < 2:
+            raise ConfigError(f"PlannerConfig.max_twin_scores must be None or >= 2 (what runs and one rival), got "
+                              f"{self.max_twin_scores}")
         if self.num_homogeneous_candidates < 0 or self.neighbour_steps < 0:
             raise ConfigError(f"PlannerConfig: num_homogeneous_candidates and neighbour_steps must be >= 0, got "
                               f"{self.num_homogeneous_candidates}, {self.neighbour_steps}")

@@ -62,6 +62,10 @@ class OServePlanner:
         self.twin = DigitalTwin(ctx.model, ctx.cluster.gpu, ctx.cluster, ctx.table.types, config.twin) \
             if config.twin is not None else None
 
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.ctx.class_names
+
     def plan(self, rates_rps: np.ndarray, current: Decision | None, recent: ArrivalPattern | None,
              span_s: float) -> Decision:
         """The decision for the coming span of `span_s` seconds, for per-class `rates_rps`, from the
@@ -118,16 +122,21 @@ class OServePlanner:
             if moved < max(cfg.rescore_change, 2.0 * noise) and self._serves_all(a_cur.served_rps, rates):
                 return self._keep(old, rates, "reroute", current.scored_rps, (a_cur, n_cur))
         scored_at = tuple(float(r) for r in rates)
+        # twin scorings left for this decision (the first decision, made before serving, has no limit)
+        budget = [cfg.max_twin_scores if cfg.max_twin_scores is not None and current is not None else -1]
         scored = []
         for i, dep in enumerate(self.candidates(rates, old)):
+            if budget[0] == 0:
+                break
+            budget[0] -= 1
             a, n = served(ctx.table, dep, rates)
             weights = weights_for(a, n)
             score = self.twin.score(dep, weights, rates, recent, long=current is None)
             scored.append((score, i, dep, weights, a.peak_utilisation))
         best_score, _, best, best_weights, _ = min(scored, key=lambda x: (x[0], x[1]))
-        if cfg.neighbour_steps > 0:
+        if cfg.neighbour_steps > 0 and budget[0] != 0:
             best, best_weights, best_score = self._search_neighbours(rates, recent, scored, best, best_score,
-                                                                     best_weights, current is None)
+                                                                     best_weights, current is None, budget)
         if current is None:
             return Decision(best, best_weights, 0.0, tuple(rates), "initial", scored_rps=scored_at)
         cur_score = scored[0][0]  # the first candidate is what runs
@@ -155,10 +164,11 @@ class OServePlanner:
                         drain_retired=cfg.free_switching, scored_rps=scored_at)
 
     def _search_neighbours(self, rates: np.ndarray, recent: ArrivalPattern | None, scored: list, best: Deployment,
-                           best_score: float, best_weights: Weights, long: bool) -> tuple[Deployment, Weights, float]:
+                           best_score: float, best_weights: Weights, long: bool,
+                           budget: list[int]) -> tuple[Deployment, Weights, float]:
         """Steepest descent on the twin's score from `best` over deployments with about the candidates'
-        headroom (`PlannerConfig.neighbour_capacity_slack`); returns the deployment reached, its weights
-        and its score."""
+        headroom (`PlannerConfig.neighbour_capacity_slack`), while `budget[0]` twin scorings are left
+        (negative: no limit); returns the deployment reached, its weights and its score."""
         ctx, cfg = self.ctx, self.config
         assert self.twin is not None
         cap = min(util for *_, util in scored) * (1 + cfg.neighbour_capacity_slack)
@@ -176,6 +186,9 @@ class OServePlanner:
             placed[shapes] = (dep, weights_for(a, n))
             if shapes in known:
                 return known[shapes]
+            if budget[0] == 0:
+                return None  # out of budget: left unscored
+            budget[0] -= 1
             return self.twin.score(dep, placed[shapes][1], rates, recent, long=long)
 
         start = tuple(sorted(best.shapes()))
