@@ -5,7 +5,8 @@ Streams (file storage, so a NATS restart loses nothing):
 - completions: `Completed` events from the engines (true output lengths);
 - plans: forecast, strategy, assignment and switch events.
 The KV bucket holds the latest strategy under `Subjects.STRATEGY_KEY` and the assignment the routers
-follow under `Subjects.ASSIGNMENT_KEY`.
+follow under `Subjects.ASSIGNMENT_KEY`. The models object store (`ensure_model_store`) holds trained
+models, so a restarted worker reuses them instead of training again.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from oserve.errors import ConfigError
 from oserve.streams.schemas import MAX_MESSAGE_BYTES
@@ -68,3 +70,16 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects,
     except NotFoundError:  # BucketNotFoundError
         pass
     return await js.create_key_value(KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE))
+
+
+async def ensure_model_store(js: JetStreamContext, subjects: Subjects) -> ObjectStore:
+    """The object store of trained models (file storage); created if missing, safe to call any number of times."""
+    bucket = subjects.models_bucket()
+    try:
+        return await js.object_store(bucket)
+    except NotFoundError:  # BucketNotFoundError
+        pass
+    try:
+        return await js.create_object_store(bucket, config=ObjectStoreConfig(storage=StorageType.FILE))
+    except BadRequestError:  # created concurrently by another worker
+        return await js.object_store(bucket)

@@ -224,6 +224,11 @@ class ForecastMade(_Msg, frozen=True, kw_only=True, tag="forecast.v1"):
     """Of the span's completions, the fraction whose true type differs from the one routed on."""
     forecaster: str = ""
     """Which forecaster produced `forecast_rps` (its kind, or `last_span` while it warms up)."""
+    recent_rrmse: dict[str, float] = {}
+    """Relative RMSE of each forecaster the stage runs over its recent spans (kind -> error; a kind not
+    scored yet is absent): the evidence the forecaster in force was chosen on."""
+    forecaster_note: str = ""
+    """Why the LSTM is not in force, when it is not ('' when it is, or when the stage runs none)."""
 
 
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -247,6 +252,10 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     label: str = ""
     scored_rps: list[float] = []
     """The rates the deployment was last scored at (the planner rescores when the forecast leaves them)."""
+    decide_wall_s: float = 0.0
+    """Wall seconds the planner took for this decision."""
+    budget_wall_s: float = 0.0
+    """The decision budget it was given (wall seconds: a tenth of the span on the clock); 0 when none."""
 
 
 class StartReplica(_Msg, frozen=True, kw_only=True, tag="start_replica.v1"):

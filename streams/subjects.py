@@ -96,10 +96,16 @@ class Subjects:
     def strategy_bucket(self) -> str:
         return f"{self.prefix}_strategy"
 
+    def models_bucket(self) -> str:
+        """The object store of trained models (the forecaster stage's LSTM)."""
+        return f"{self.prefix}_models"
+
     # KV keys of the strategy bucket: the latest chosen strategy (deployment + weights), and the
     # assignment the routers follow (written when a switch completes)
     STRATEGY_KEY = "current"
     ASSIGNMENT_KEY = "assignment"
+    # object of the models bucket: the forecaster stage's trained LSTM with its class names
+    FORECASTER_OBJECT = "forecaster-lstm"
 
 
 def dedupe_key(reply: str, request_id: str) -> str:

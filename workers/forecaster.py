@@ -1,16 +1,24 @@
 """The forecaster stage: per-class arrivals per span -> a forecast event at each span boundary.
 
 Counts the gateway's `Arrived` events per span and class on the clock; at each span boundary it
-publishes a `ForecastMade`: the span's counts, the next span's forecast rates (`RateForecaster` over
-any forecaster of `oserve.forecast`, fitted on the counts the system started with), which forecaster
-produced them, and the fraction of the span's completions whose true type differs from the class
-they were routed as. One re-plan's trace starts here.
+publishes a `ForecastMade`: the span's counts, the next span's forecast rates, which forecaster
+produced them and the recent relative RMSE of each, and the fraction of the span's completions whose
+true type differs from the class they were routed as. One re-plan's trace starts here.
+
+The forecast comes from `oserve.forecast.gate.GatedForecaster`: last value, or an LSTM
+(`oserve.forecast.lstm`) while it beats last value on the recent spans. The LSTM is trained on a
+thread of its own (never on the event loop), first on the history the system starts from, then again
+every `retrain_every_spans` spans on what the stage has counted since; each trained network is put in
+the JetStream object store with the class names and the last span it learned, so a restarted stage
+loads it instead of training again, and re-learns only the spans after it (from the arrivals stream).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,12 +26,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.errors import ObjectNotFoundError
+from nats.js.object_store import ObjectStore
 from opentelemetry.trace import SpanKind, Tracer
 
 from oserve.defaults import SPAN_S
-from oserve.errors import ConfigError
+from oserve.errors import ConfigError, OServeError
 from oserve.forecast.baselines import LastValue
-from oserve.forecast.rates import RateForecaster
+from oserve.forecast.gate import GatedForecaster
+from oserve.forecast.registry import forecaster_from_dict
 from oserve.observability.tracing import inject
 from oserve.streams.schemas import Arrived, Completed, ForecastMade, encode
 from oserve.streams.subjects import Subjects
@@ -55,27 +66,73 @@ class ForecasterStage(Worker):
 
     Given a JetStream context, it reads arrivals from the arrivals stream from its start (an ordered
     consumer), so a restarted stage rebuilds the span counts it had (the clock must be the same one:
-    `Clock.from_epoch`); without one it listens to live arrivals only.
+    `Clock.from_epoch`); without one it listens to live arrivals only. Given an object store, it saves
+    every trained LSTM there and, at start, loads the one saved for the same class names.
     """
 
     name = "forecaster"
 
-    def __init__(self, nc: NATS, config: ForecasterConfig, clock: Clock, *, forecaster: RateForecaster | None = None,
+    def __init__(self, nc: NATS, config: ForecasterConfig, clock: Clock, *, forecaster: GatedForecaster | None = None,
                  types: WorkloadTypes | None = None, tracer: Tracer | None = None,
-                 js: JetStreamContext | None = None) -> None:
+                 js: JetStreamContext | None = None, store: ObjectStore | None = None,
+                 class_names: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.nc, self.config, self.clock, self.tracer, self.js = nc, config, clock, tracer, js
-        self.forecaster = forecaster or RateForecaster(LastValue(config.num_types), config.span_s)
+        self.nc, self.config, self.clock, self.tracer, self.js, self.store = nc, config, clock, tracer, js, store
+        self.forecaster = forecaster or GatedForecaster(LastValue(config.num_types), config.span_s)
         if self.forecaster.k != config.num_types:
             raise ConfigError(f"ForecasterStage: the forecaster has {self.forecaster.k} classes, the config "
                               f"{config.num_types}")
+        self.class_names = tuple(class_names)
+        """The classes' names, saved with the LSTM: a saved network is reused only for the same classes."""
         self.types = types
         """True types of completions (by their true lengths), to measure the arrival-time misclassification."""
         self._counts: dict[int, np.ndarray] = {}  # span index -> per-type arrivals
         self._misclassified = [0, 0]  # (wrong, total) completions since the last event
         self.history: list[np.ndarray] = []
         self.num_events = 0
+        self.num_trainings = 0
+        """LSTM trainings finished by this stage (0 after a restart that loaded a saved network)."""
+        self.loaded_from_store = False
         self._emitted: int | None = None  # last span closed
+        self._learned_through = -1  # the saved LSTM learned every span up to this one
+        self._retrain = asyncio.Event()
+
+    async def start(self) -> None:
+        if self._state == "new":
+            await self._load_saved()
+        await super().start()
+
+    async def _load_saved(self) -> None:
+        """Put the saved LSTM in the challenger's place when it was trained for these classes."""
+        challenger = self.forecaster.challenger
+        if self.store is None or challenger is None:
+            return
+        try:
+            data = json.loads((await self.store.get(Subjects.FORECASTER_OBJECT)).data or b"{}")
+            saved = forecaster_from_dict(data.get("forecaster"), "the saved forecaster")
+        except ObjectNotFoundError:
+            return
+        except (ValueError, OServeError) as exc:  # unreadable: train again rather than fail
+            log.warning("forecaster: ignoring the saved LSTM: %s", exc)
+            return
+        meta = data.get("meta", {})
+        if tuple(meta.get("class_names", ())) != self.class_names or meta.get("span_s") != self.config.span_s \
+                or saved.kind != challenger.kind or saved.k != challenger.k:
+            log.info("forecaster: the saved LSTM is for other classes or spans (%s); training anew", meta)
+            return
+        self.forecaster.challenger = saved
+        self._learned_through = int(meta.get("last_span_index", -1))
+        self.loaded_from_store = True
+        log.info("forecaster: loaded the saved LSTM (learned through span %d)", self._learned_through)
+
+    async def _save(self) -> None:
+        challenger = self.forecaster.challenger
+        if self.store is None or challenger is None:
+            return
+        last = self._emitted if self._emitted is not None else -1
+        data = {"meta": {"class_names": list(self.class_names), "span_s": self.config.span_s,
+                         "last_span_index": last}, "forecaster": challenger.to_dict()}
+        await self.store.put(Subjects.FORECASTER_OBJECT, json.dumps(data, separators=(",", ":")).encode())
 
     async def _subscribe(self) -> list:
         s = self.config.subjects
@@ -88,7 +145,30 @@ class ForecasterStage(Worker):
         return [arrivals, await self.nc.subscribe(s.completions(), cb=self.typed(Completed, self._on_completed))]
 
     def _loops(self):
-        return [self._span_loop]
+        return [self._span_loop, self._retrain_loop]
+
+    async def _retrain_loop(self) -> None:
+        """Train the LSTM on a thread whenever it asks to be, one training at a time."""
+        while True:
+            job = self.forecaster.retrain_job()  # a snapshot of what has been learned up to now
+            if job is None:
+                self._retrain.clear()
+                await self._retrain.wait()
+                continue
+            try:
+                trained = await asyncio.to_thread(job.run)
+            except Exception:  # outermost for one training: keep the network in use
+                log.exception("forecaster: LSTM training failed; keeping the current network")
+                self._retrain.clear()
+                await self._retrain.wait()
+                continue
+            self.forecaster.install(trained)
+            self.num_trainings += 1
+            log.info("forecaster: LSTM trained on %d spans (%d epochs)", len(job.history), trained.epochs_run)
+            try:
+                await self._save()
+            except Exception:  # the store is a convenience: a failed save costs a training after a restart
+                log.warning("forecaster: could not save the LSTM", exc_info=True)
 
     async def _on_arrived(self, ev: Arrived, msg: Msg) -> None:
         for a in ev.items:
@@ -128,28 +208,41 @@ class ForecasterStage(Worker):
             await self.emit(span)
             span += 1
 
+    def _observe_span(self, counts: np.ndarray, span: int) -> None:
+        """Feed a closed span to the forecasters; a loaded LSTM skips the spans it learned before it was saved."""
+        if span <= self._learned_through and self.forecaster.challenger is not None:
+            self.forecaster.baseline.learn_one(np.asarray(counts, dtype=float))
+            return
+        self.forecaster.observe(counts)
+
     async def emit(self, span: int) -> ForecastMade:
         """Close span `span`: record its counts, forecast the next one, publish the event."""
         zeros = np.zeros(self.config.num_types, dtype=np.int64)
         if self._emitted is None and self._counts:
-            # first close since start: spans rebuilt from the arrivals stream become the history
+            # first close since start: spans rebuilt from the arrivals stream become the history (a
+            # loaded LSTM has learned those up to `_learned_through` already)
             for s in range(max(min(self._counts), span - self.config.max_history_spans), span):
                 rebuilt = self._counts.pop(s, zeros)
                 self.history.append(rebuilt)
-                self.forecaster.observe(rebuilt)
+                self._observe_span(rebuilt, s)
         counts = self._counts.pop(span, zeros)
         for old in [s for s in self._counts if s < span]:
             del self._counts[old]
         self._emitted = span
         self.history.append(counts)
         del self.history[:-self.config.max_history_spans]
-        self.forecaster.observe(counts)
+        self._observe_span(counts, span)
         rates = self.forecaster.rates_rps()
+        if self.forecaster.retrain_job() is not None:
+            self._retrain.set()
         wrong, total = self._misclassified
         self._misclassified = [0, 0]
+        errors = {kind: e for kind, e in self.forecaster.recent_rrmse().items() if math.isfinite(e)}
         ev = ForecastMade(span_index=span, span_start_s=span * self.config.span_s, span_s=self.config.span_s,
                           observed_counts=[int(c) for c in counts], forecast_rps=[float(r) for r in rates],
-                          misclassified_frac=wrong / total if total else 0.0, forecaster=self.forecaster.source)
+                          misclassified_frac=wrong / total if total else 0.0, forecaster=self.forecaster.source,
+                          recent_rrmse=errors, forecaster_note=self.forecaster.why_not_challenger()
+                          if self.forecaster.challenger is not None else "")
         headers = None
         if self.tracer is not None:
             with self.tracer.start_as_current_span("forecast.made", kind=SpanKind.PRODUCER,

@@ -13,7 +13,7 @@ import asyncio
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import nats
 import numpy as np
@@ -22,17 +22,18 @@ from nats.aio.client import Client as NATS
 from oserve.defaults import ENGINE_START_S, SPAN_S, WORKER_NAMES
 from oserve.errors import ConfigError
 from oserve.forecast.baselines import LastValue
-from oserve.forecast.rates import RateForecaster
+from oserve.forecast.gate import GatedForecaster
 from oserve.observability.tracing import TracingConfig, setup_tracing
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.prior import Prior, fit_prior
+from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
-from oserve.specs import cluster_for_gpus, model_preset
+from oserve.specs import Deployment, cluster_for_gpus, model_preset
 from oserve.streams.client import ClientError, OServeClient, RequestRejected, RequestTimeout
-from oserve.streams.jetstream import ensure_streams
+from oserve.streams.jetstream import ensure_model_store, ensure_streams
 from oserve.streams.schemas import SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
 from oserve.traces import Trace, load_trace
@@ -66,10 +67,22 @@ class SystemConfig:
     search: str = "milp"
     fewer_replicas_slack: float = 0.02
     """Headroom the deployment MILP may give up for fewer replicas (`SearchConfig.fewer_replicas_slack`)."""
-    twin: bool = False
-    """Score candidate deployments on the digital twin (`oserve.planner.twin`), as the simulated OServe does.
-    Off by default: a re-plan then costs seconds of CPU, which a span of one real minute affords but the
-    demo, whose clock runs 60x faster than wall time, does not."""
+    twin: bool = True
+    """Score candidate deployments on the digital twin (`oserve.planner.twin`), as the simulated OServe does;
+    False: the capacity model alone decides."""
+    max_twin_scores: int | None = 4
+    """Twin scorings per decision (`PlannerConfig.max_twin_scores`): what keeps a decision inside the
+    scheduler's budget of a tenth of a span. A scoring of a span of the demo's workload takes about
+    0.1 s here; the demo's span is 2 wall seconds (60 s at 30x), so four fit its 0.2 s budget only
+    roughly, and each strategy event says how long its decision took. None: no limit."""
+    forecaster: str = "lstm"
+    """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
+    `last_value`: last value alone."""
+    lstm_lookback_spans: int = 8
+    """Spans the live LSTM looks back over. The paper's 50 needs hours of one-minute spans before the first
+    training; 8 lets the LSTM train on the first quarter-hour the system starts from."""
+    lstm_retrain_every_spans: int = 5
+    """The live LSTM is fine-tuned (on a thread) every this many spans, on all it has counted."""
     engine_start_s: float = ENGINE_START_S
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5
@@ -88,12 +101,17 @@ class SystemConfig:
         if self.engine_start_s < 0 or self.heartbeat_interval_wall_s <= 0:
             raise ConfigError(f"SystemConfig: engine_start_s must be >= 0 and heartbeat_interval_wall_s > 0, got "
                               f"{self.engine_start_s}, {self.heartbeat_interval_wall_s}")
+        if self.forecaster not in ("lstm", "last_value"):
+            raise ConfigError(f"SystemConfig.forecaster must be lstm or last_value, got {self.forecaster!r}")
+        if self.lstm_lookback_spans < 1 or self.lstm_retrain_every_spans < 1:
+            raise ConfigError(f"SystemConfig: lstm_lookback_spans and lstm_retrain_every_spans must be >= 1, got "
+                              f"{self.lstm_lookback_spans}, {self.lstm_retrain_every_spans}")
         if self.history_minutes is not None and not self.history_minutes > 0:
             raise ConfigError(f"SystemConfig.history_minutes must be > 0, got {self.history_minutes}")
 
     def planner_config(self) -> PlannerConfig:
         return PlannerConfig(search=self.search, search_config=SearchConfig(fewer_replicas_slack=self.fewer_replicas_slack),
-                             twin=TwinConfig() if self.twin else None)
+                             twin=TwinConfig() if self.twin else None, max_twin_scores=self.max_twin_scores)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -103,9 +121,13 @@ class PlanningInputs:
 
     prior: Prior
     ctx: PlanningContext
-    planner: OServePlanner
+    planner: OServePlanner | StaticPlanner
     initial_rps: np.ndarray
     """Per-class rates of the first span: the history's last span, unless given."""
+
+    def static(self, deployment: Deployment) -> PlanningInputs:
+        """The same inputs with the static baseline's planner: `deployment` for every span. Pure."""
+        return replace(self, planner=StaticPlanner(deployment, self.prior.class_names))
 
 
 def planning_inputs(config: SystemConfig, history: Trace | None = None,
@@ -126,6 +148,24 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     if first.shape != (prior.types.k,) or not np.all(np.isfinite(first)) or (first < 0).any():
         raise ConfigError(f"planning_inputs: initial_rps must be {prior.types.k} rates >= 0, got {first.tolist()}")
     return PlanningInputs(prior, ctx, OServePlanner(ctx, config.planner_config()), first)
+
+
+def live_forecaster(config: SystemConfig, prior: Prior) -> GatedForecaster:
+    """The forecaster stage's forecaster: last value fitted on the history's class counts, and (with
+    `config.forecaster == "lstm"`) an LSTM that has learned them but is not trained yet: the stage trains
+    it on a thread, so start-up never waits for it. Pure."""
+    k = prior.types.k
+    baseline = LastValue(k).fit(prior.counts)
+    if config.forecaster == "last_value":
+        return GatedForecaster(baseline, config.span_s)
+    from oserve.forecast.lstm import LSTMForecaster
+
+    lookback = config.lstm_lookback_spans
+    lstm = LSTMForecaster(k, lookback_spans=lookback, min_train_spans=2 * lookback,
+                          retrain_every_spans=config.lstm_retrain_every_spans)
+    for row in prior.counts:
+        lstm.learn_one(row)
+    return GatedForecaster(baseline, config.span_s, challenger=lstm)
 
 
 class LiveSystem:
@@ -168,10 +208,10 @@ class LiveSystem:
             await self.switcher.start()
         if "forecaster" in w:
             prior = self.inputs.prior
-            rates = RateForecaster(LastValue(prior.types.k).fit(prior.counts), cfg.span_s)
             self.forecaster = ForecasterStage(
                 nc, ForecasterConfig(subjects=cfg.subjects, span_s=cfg.span_s, num_types=prior.types.k),
-                clock, forecaster=rates, types=prior.types, tracer=tracer, js=nc.jetstream())
+                clock, forecaster=live_forecaster(cfg, prior), types=prior.types, tracer=tracer, js=nc.jetstream(),
+                store=await ensure_model_store(nc.jetstream(), cfg.subjects), class_names=prior.class_names)
             await self.forecaster.start()
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,

@@ -74,8 +74,12 @@ def load_forecaster(path: str | os.PathLike[str]) -> Forecaster:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read forecaster file {str(path)!r}: {exc}") from None
+    return forecaster_from_dict(data, f"forecaster file {str(path)!r}")
+
+
+def forecaster_from_dict(data: Any, what: str = "forecaster data") -> Forecaster:
+    """Rebuild a forecaster of any kind from `Forecaster.to_dict` output (`what` names it in errors). Pure."""
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind not in FORECASTERS:
-        raise ConfigError(f"forecaster file {str(path)!r} has kind {kind!r}; known kinds: "
-                          f"{', '.join(sorted(FORECASTERS))}")
+        raise ConfigError(f"{what} has kind {kind!r}; known kinds: {', '.join(sorted(FORECASTERS))}")
     return forecaster_class(kind).from_dict(data)

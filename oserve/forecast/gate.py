@@ -1,0 +1,161 @@
+"""A challenger forecaster (the LSTM) put in force only while it beats a baseline on recent spans. Pure.
+
+No clock, no threads, no files: the live forecaster stage and the simulator drive it alike.
+
+Every span, before learning the counts that just closed, both forecasters' forecasts for that span
+(made one span earlier) are scored against them; the last `window_spans` scores of each are kept. The
+challenger is *in force* (its forecast is the one returned) once it has been scored on at least
+`min_scored_spans` of those spans and its relative RMSE over them is below the baseline's by
+`margin_frac`; otherwise the baseline answers. Both are always scored, so a challenger that falls
+behind is retired at the next span and one that catches up is put back.
+
+Retraining is the caller's (a trained challenger's `needs_retrain` / `prepare_retrain` / `install`, see
+`oserve.forecast.lstm`): `retrain_job()` hands out the snapshot to train on, `install()` swaps the
+result in; the gate never trains inline, so a worker can train on a thread while forecasts go on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from oserve.errors import ConfigError
+from oserve.forecast.base import Forecaster, ForecastNotReady
+
+
+@dataclass(frozen=True, slots=True)
+class GateConfig:
+    """When the challenger's forecast is used."""
+
+    window_spans: int = 10
+    """Recent spans each forecaster is judged on (relative RMSE over all types of these spans)."""
+    min_scored_spans: int = 3
+    """The challenger must have forecast at least this many of them before it can be put in force."""
+    margin_frac: float = 0.0
+    """It must beat the baseline's relative RMSE by this fraction (0: any improvement)."""
+
+    def __post_init__(self) -> None:
+        if self.window_spans < 1 or not 1 <= self.min_scored_spans <= self.window_spans:
+            raise ConfigError(f"GateConfig: need window_spans >= min_scored_spans >= 1, got {self.window_spans}, "
+                              f"{self.min_scored_spans}")
+        if not 0 <= self.margin_frac < 1:
+            raise ConfigError(f"GateConfig.margin_frac must be in [0, 1), got {self.margin_frac}")
+
+
+class GatedForecaster:
+    """Per-class rates of the next span from a baseline, or from a challenger while it beats the baseline
+    (see the module docstring). Same verbs as `oserve.forecast.rates.RateForecaster`."""
+
+    def __init__(self, baseline: Forecaster, span_s: float, challenger: Forecaster | None = None,
+                 config: GateConfig = GateConfig()) -> None:
+        if not span_s > 0:
+            raise ConfigError(f"GatedForecaster: span_s must be positive, got {span_s}")
+        if challenger is not None and challenger.k != baseline.k:
+            raise ConfigError(f"GatedForecaster: the challenger has {challenger.k} classes, the baseline {baseline.k}")
+        self.baseline, self.challenger, self.config = baseline, challenger, config
+        self.span_s = float(span_s)
+        self._last: np.ndarray | None = None
+        # per forecaster kind: (forecast for the coming span or None, deque of (squared error sum, actual sum, n))
+        self._pending: dict[str, np.ndarray | None] = {}
+        self._scores: dict[str, deque[tuple[float, float, int]]] = {}
+
+    @property
+    def k(self) -> int:
+        return self.baseline.k
+
+    def _members(self) -> list[Forecaster]:
+        return [f for f in (self.baseline, self.challenger) if f is not None]
+
+    def observe(self, counts: np.ndarray) -> None:
+        """One more span has closed with these per-class counts: score the forecasts made for it, learn it,
+        and forecast the next one (for scoring then)."""
+        row = np.asarray(counts, dtype=float)
+        if row.shape != (self.k,):
+            raise ConfigError(f"GatedForecaster.observe: needs {self.k} counts, got shape {row.shape}")
+        for f in self._members():
+            predicted = self._pending.get(f.kind)
+            if predicted is not None:
+                scores = self._scores.setdefault(f.kind, deque(maxlen=self.config.window_spans))
+                scores.append((float(np.sum((predicted - row) ** 2)), float(row.sum()), len(row)))
+            f.learn_one(row)
+            self._pending[f.kind] = f.forecast() if f.ready else None
+        self._last = row
+
+    def recent_rrmse(self) -> dict[str, float]:
+        """Relative RMSE of each forecaster over its scored recent spans (NaN before any, or when nothing
+        arrived in them). Pure."""
+        out = {}
+        for f in self._members():
+            scores = self._scores.get(f.kind, ())
+            sq, total, n = (sum(x[i] for x in scores) for i in range(3))
+            out[f.kind] = math.sqrt(sq / n) / (total / n) if n and total > 0 else math.nan
+        return out
+
+    def _challenger_in_force(self) -> bool:
+        c = self.challenger
+        if c is None or not c.ready or len(self._scores.get(c.kind, ())) < self.config.min_scored_spans:
+            return False
+        errors = self.recent_rrmse()
+        ce, be = errors[c.kind], errors[self.baseline.kind]
+        if math.isnan(ce):
+            return False
+        return math.isnan(be) or ce < be * (1.0 - self.config.margin_frac)
+
+    @property
+    def source(self) -> str:
+        """The forecaster `rates_rps` answers with now: the challenger's kind, the baseline's, or 'last_span'
+        while neither is ready. Pure."""
+        if self._challenger_in_force():
+            assert self.challenger is not None
+            return self.challenger.kind
+        return self.baseline.kind if self.baseline.ready else "last_span"
+
+    def why_not_challenger(self) -> str:
+        """Why the challenger is not in force ('' when it is). Pure."""
+        c = self.challenger
+        if c is None:
+            return "no challenger"
+        if self._challenger_in_force():
+            return ""
+        if not c.ready:
+            return f"{c.kind} not trained yet"
+        scored = len(self._scores.get(c.kind, ()))
+        if scored < self.config.min_scored_spans:
+            return f"{c.kind} scored on {scored} of the {self.config.min_scored_spans} spans it needs"
+        e = self.recent_rrmse()
+        return f"{c.kind} relative RMSE {e[c.kind]:.3f} does not beat {self.baseline.kind}'s {e[self.baseline.kind]:.3f}"
+
+    def rates_rps(self) -> np.ndarray:
+        """Forecast per-class rates of the next span, finite and >= 0. Pure.
+
+        Raises:
+            ForecastNotReady: no span observed yet.
+        """
+        source = self.source
+        if source == "last_span":
+            if self._last is None:
+                raise ForecastNotReady("no span observed yet")
+            counts = self._last
+        else:
+            counts = self._pending.get(source)
+            if counts is None:  # installed or loaded since the last span: forecast now
+                counts = (self.challenger if source == getattr(self.challenger, "kind", None) else self.baseline).forecast()
+        return np.maximum(np.nan_to_num(np.asarray(counts, dtype=float), nan=0.0, posinf=0.0), 0.0) / self.span_s
+
+    # --- retraining, by the caller -----------------------------------------------------------------
+
+    def retrain_job(self):
+        """The challenger's training snapshot when it asks to be retrained (None otherwise). Pure."""
+        c = self.challenger
+        if c is None or not c.needs_retrain() or not hasattr(c, "prepare_retrain"):
+            return None
+        return c.prepare_retrain()
+
+    def install(self, trained) -> None:
+        """Swap a trained network into the challenger; its next forecast is scored from the next span."""
+        assert self.challenger is not None and hasattr(self.challenger, "install")
+        self.challenger.install(trained)
+        self._pending[self.challenger.kind] = None  # the old network's forecast is not the new one's
