@@ -1,10 +1,12 @@
 """The switch-planner worker: strategy -> transfer plan -> replica commands -> router flip, as a transaction.
 
-For each new strategy it plans the switch with the core switch planner (`oserve.switch.plan_switch`:
-which weight bytes each new replica's GPUs need and which GPU sends them) and publishes the plan's
-size in `SwitchPlanned`; then it starts the new replicas, waits until all report ready, flips the
+For each new strategy that starts or retires a replica it plans the switch with the core switch
+planner (`oserve.switch.plan_switch`: which weight bytes each new replica's GPUs need and which GPU
+sends them) and publishes the plan's size in `SwitchPlanned`; then it starts the new replicas, waits until all report ready, flips the
 router (`AssignmentSet`) and drains the retired ones. If the new replicas are not ready in time it
-drains them again and publishes `SwitchRolledBack`, the old deployment serving throughout.
+drains them again and publishes `SwitchRolledBack`, the old deployment serving throughout. A strategy
+that keeps the same replicas only re-routes: the assignment goes out and no switch event does, so a
+telemetry consumer counts switches by counting `SwitchPlanned`.
 (The engines here still take the modelled transfer time rather than moving the bytes.)
 """
 
@@ -130,6 +132,13 @@ class SwitchPlannerWorker(Worker):
             self.host_of(self.current.get(spec_or_id, ReplicaSpec(replica_id=spec_or_id, tp=1, pp=1, gpu_ids=[])))
         await self.nc.publish(self.config.subjects.host_control(host), encode(cmd), headers=headers)
 
+    async def _flip(self, s: StrategyChosen, headers) -> None:
+        """Point the routers at the strategy's assignment (and record it for routers that start later)."""
+        assignment = encode(AssignmentSet(strategy_id=s.strategy_id, weights=s.weights))
+        if self.kv is not None:
+            await self.kv.put(Subjects.ASSIGNMENT_KEY, assignment)
+        await self.nc.publish(self.config.subjects.plan_event("assignment"), assignment, headers=headers)
+
     async def switch(self, s: StrategyChosen, headers=None) -> bool:
         """Carry out one strategy; True when it is serving, False when rolled back."""
         span = None
@@ -142,6 +151,10 @@ class SwitchPlannerWorker(Worker):
             target = {r.replica_id: r for r in s.replicas}
             start = [r for rid, r in target.items() if rid not in self.current]
             retire = [rid for rid in self.current if rid not in target]
+            if not start and not retire:  # the same replicas, re-routed: no switch, so no switch event
+                await self._flip(s, hdr)
+                self.strategy_id = s.strategy_id
+                return True
             plan = await asyncio.to_thread(self.transfer_plan, s) if start else None
             await self._publish_switch(SwitchPlanned(
                 strategy_id=s.strategy_id, start_ids=[r.replica_id for r in start], retire_ids=retire,
@@ -168,12 +181,8 @@ class SwitchPlannerWorker(Worker):
                     await self._publish_switch(SwitchRolledBack(
                         strategy_id=s.strategy_id, reason=f"replicas not ready after {timeout:.1f} s: {missing}"), hdr)
                     return False
-            # every new replica serves: flip the router (and record it for routers that start later),
-            # then retire the old ones
-            assignment = encode(AssignmentSet(strategy_id=s.strategy_id, weights=s.weights))
-            if self.kv is not None:
-                await self.kv.put(Subjects.ASSIGNMENT_KEY, assignment)
-            await self.nc.publish(self.config.subjects.plan_event("assignment"), assignment, headers=hdr)
+            # every new replica serves: flip the router, then retire the old ones
+            await self._flip(s, hdr)
             for rid in retire:
                 await self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid), hdr)
             self.current = target
