@@ -20,6 +20,9 @@ MAX_TOKENS = 1 << 20
 """Largest token count (input, output, hint) a message may carry; more is absurd, not merely large."""
 MAX_ID_CHARS = 128
 MAX_TAGS = 16
+CLIENT_TAG = "client"
+"""The `SubmitRequest.tags` key naming who sent a request (an application, an API customer): the gateway
+classes by it, as length distributions are strongly per client (`oserve.planner.prior.client_tag`)."""
 BYTES_PER_TOKEN = 4
 """Prompt text is counted at about 4 UTF-8 bytes per token; there is no tokenizer on the request path."""
 

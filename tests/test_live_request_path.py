@@ -612,3 +612,37 @@ def test_replay_runs_use_unique_request_ids(server) -> None:
             assert engines[0].num_answered == 2 * len(trace) and engines[0].num_duplicates == 0
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_gateway_learns_from_completions_with_what_it_classed_by(server) -> None:
+    """The live estimator learns each completion with its client tag and max tokens, as the simulator's
+    gateway does: two clients with one prompt length and very different answers are told apart."""
+    from oserve.online_types import OnlineTypes
+    from oserve.traces import load_trace
+    from oserve.workload_types import fit_types
+
+    history = load_trace("azure-conv").slice_time(0.0, 300.0)
+    estimator = OnlineTypes(fit_types(history.input_tokens, history.output_tokens), grace_period=50)
+    before = {t: estimator.estimate_output_one(500, tag=t) for t in ("clientA", "clientB")}
+
+    async def main() -> dict:
+        async with AsyncExitStack() as stack:
+            subjects = unique_subjects()
+            nc = await nats.connect(server.url)
+            stack.push_async_callback(nc.close)
+            clock = Clock(speedup=50.0)
+            await stack.enter_async_context(EngineWorker(
+                nc, EngineWorkerConfig("r0", subjects=subjects, backend="echo", **FAST_HB), clock))
+            gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock,
+                                                         estimator=estimator))
+            await gw.wait_for_replicas(1, 5.0)
+            client = OServeClient(nc, subjects, default_timeout_s=10.0)
+            await asyncio.gather(*(client.submit(input_tokens=500, max_tokens=1000, request_id=f"t{i}",
+                                                 tags={"client": "clientA" if i % 2 else "clientB"},
+                                                 sim_output_tokens=8 if i % 2 else 800) for i in range(600)))
+            await wait_until(lambda: not gw.pending, 10, "every completion")
+            return {t: gw.estimator.estimate_output_one(500, tag=t, max_tokens=1000) for t in ("clientA", "clientB")}
+
+    after = asyncio.run(asyncio.wait_for(main(), 60))
+    assert before["clientA"] == before["clientB"]  # nothing learned of either client yet
+    assert after["clientB"] > 10 * after["clientA"], after

@@ -4,8 +4,8 @@
 - Validation at the edge (`decode_submit`): any bad input gets a structured `ErrorReply`, never a crash
   or a silence.
 - Classification at arrival by the online estimator (`oserve.online_types.OnlineTypes`, as fitted
-  before serving: input length, the client's max tokens or output hint), which keeps learning from
-  the engines' completions (true lengths, known only then). Routing by the one rule every plan is
+  before serving: input length, the client's max tokens or output hint, its `client` tag), which keeps
+  learning from the engines' completions (true lengths, known only then) with the same features. Routing by the one rule every plan is
   scored with (`oserve.routing.least_loaded`): the least loaded of the live, accepting replicas the
   assignment gives the request's class (all of them until an assignment arrives). A replica's load is
   its last heartbeat's KV load plus what this gateway dispatched to it since.
@@ -43,11 +43,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from oserve.errors import ConfigError
 from oserve.observability.tracing import extract, inject, trace_headers
-from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
+from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
                                     ErrorCode, ErrorReply, Heartbeat, Ping, Pong, SchemaError, decode, decode_submit,
                                     encode)
 from oserve.streams.subjects import Subjects, dedupe_key
@@ -133,6 +134,10 @@ class _Pending:
     replica_id: str | None  # None: waiting for a live replica
     est_output_tokens: int = 0
     """The answer's length as estimated at arrival (the gateway never knows the true one before it ends)."""
+    tag: str | None = None
+    """The client's tag (the request's `CLIENT_TAG` tag), as the estimator classed it by."""
+    sent_max_tokens: int | None = None
+    """The max tokens the client sent (None: none); with `tag`, what the estimator learns from at completion."""
     wait_until_wall_s: float | None = None
     """Set while a request never dispatched waits for a replica: answered `no_replica` after this time."""
 
@@ -158,6 +163,7 @@ class Gateway(Worker):
         self._last_heartbeat_read_wall_s = float("-inf")
         self._heartbeat_read_gap_s = 0.0  # longest gap between heartbeat reads since the last liveness check
         self.strategy_id = ""
+        self._strategy_links: list[trace.Link] = []  # span links to the switch of the assignment in force
         # counters
         self.num_accepted = 0
         self.num_rejected = 0
@@ -237,9 +243,9 @@ class Gateway(Worker):
             await self._retry_unrouted()
 
     async def _on_assignment(self, msg: Msg) -> None:
-        self._set_assignment(msg.data)
+        self._set_assignment(msg.data, msg.headers)
 
-    def _set_assignment(self, data: bytes) -> None:
+    def _set_assignment(self, data: bytes, headers: dict[str, str] | None = None) -> None:
         try:
             a = decode(data, AssignmentSet)
         except SchemaError:
@@ -248,6 +254,11 @@ class Gateway(Worker):
         assert isinstance(a, AssignmentSet)
         self._weights = [dict(w) for w in a.weights]
         self.strategy_id = a.strategy_id
+        # the switch that put this assignment in force: every request routed by it links to its trace
+        parent = extract(headers)
+        ctx = trace.get_current_span(parent).get_span_context() if parent is not None else None
+        self._strategy_links = [trace.Link(ctx, {"oserve.strategy_id": a.strategy_id})] \
+            if ctx is not None and ctx.is_valid else []
 
     @staticmethod
     def _report_load(r: _Replica, hb: Heartbeat) -> None:
@@ -275,13 +286,14 @@ class Gateway(Worker):
             r.sent_tokens += p.dispatch.input_tokens + p.est_output_tokens // 2
             r.sent_requests += 1
 
-    def _classify(self, input_tokens: int, max_tokens: int | None, hint_tokens: int | None) -> tuple[int, int]:
+    def _classify(self, input_tokens: int, max_tokens: int | None, hint_tokens: int | None,
+                  tag: str | None) -> tuple[int, int]:
         """(class, estimated output tokens) of an arrival, from what the gateway knows of it now."""
         if self.estimator is None:
             return 0, hint_tokens or 0
-        cls = self.estimator.predict_one(input_tokens, output_hint=hint_tokens, max_tokens=max_tokens)
+        cls = self.estimator.predict_one(input_tokens, output_hint=hint_tokens, tag=tag, max_tokens=max_tokens)
         est = hint_tokens if hint_tokens is not None else \
-            round(self.estimator.estimate_output_one(input_tokens, max_tokens=max_tokens))
+            round(self.estimator.estimate_output_one(input_tokens, tag=tag, max_tokens=max_tokens))
         return cls, est
 
     # --- the request path --------------------------------------------------------------------------
@@ -304,7 +316,9 @@ class Gateway(Worker):
     async def _handle_submit(self, msg: Msg) -> None:
         span = None
         if self.tracer is not None:
-            span = self.tracer.start_span("gateway.route", context=extract(msg.headers), kind=SpanKind.CONSUMER)
+            span = self.tracer.start_span("gateway.route", context=extract(msg.headers), kind=SpanKind.CONSUMER,
+                                          links=self._strategy_links,
+                                          attributes={"oserve.strategy_id": self.strategy_id})
         try:
             try:
                 req = decode_submit(msg.data)
@@ -329,7 +343,8 @@ class Gateway(Worker):
                                    f"{req.max_tokens or 'at least 1'} more")
                 return
             max_tokens = int(cap)
-            type_index, est = self._classify(input_tokens, req.max_tokens, req.output_hint_tokens)
+            tag = req.tags.get(CLIENT_TAG)
+            type_index, est = self._classify(input_tokens, req.max_tokens, req.output_hint_tokens, tag)
             if span is not None:
                 span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,
                                      "oserve.input_tokens": input_tokens})
@@ -367,8 +382,9 @@ class Gateway(Worker):
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
                 if span is not None:
                     span.add_event("waiting_for_replica")
-                self.pending[req.request_id] = _Pending(d, msg.reply, headers, None, est, wait_until_wall_s=(
-                    asyncio.get_running_loop().time() + cfg.no_replica_wait_wall_s))
+                self.pending[req.request_id] = _Pending(d, msg.reply, headers, None, est, tag, req.max_tokens,
+                                                        wait_until_wall_s=(asyncio.get_running_loop().time()
+                                                                           + cfg.no_replica_wait_wall_s))
                 self._maybe_unrouted = True
             else:
                 if span is not None:
@@ -377,7 +393,8 @@ class Gateway(Worker):
                 # and must never be re-dispatched later
                 await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
                                       headers=dict(headers) if headers else None)
-                self.pending[req.request_id] = pending = _Pending(d, msg.reply, headers, replica_id, est)
+                self.pending[req.request_id] = pending = _Pending(d, msg.reply, headers, replica_id, est, tag,
+                                                                  req.max_tokens)
                 self._sent(replica_id, pending)
             self.num_accepted += 1
             self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
@@ -396,9 +413,10 @@ class Gateway(Worker):
         assert isinstance(c, Completed)
         pending = self.pending
         for item in c.items:
-            pending.pop(item.request_id, None)
-            if self.estimator is not None:
-                self.estimator.learn_one(item.input_tokens, item.output_tokens)
+            p = pending.pop(item.request_id, None)
+            if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
+                self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
+                                         max_tokens=p.sent_max_tokens if p else None)
         for request_id in c.released:  # answered with an error: not to be re-dispatched
             pending.pop(request_id, None)
 

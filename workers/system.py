@@ -27,14 +27,14 @@ from oserve.observability.tracing import TracingConfig, setup_tracing
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.oserve import OServePlanner
-from oserve.planner.prior import Prior, fit_prior
+from oserve.planner.prior import Prior, client_tag, fit_prior
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
 from oserve.specs import Deployment, cluster_for_gpus, model_preset
 from oserve.streams.client import ClientError, OServeClient, RequestRejected, RequestTimeout
 from oserve.streams.jetstream import ensure_model_store, ensure_streams
-from oserve.streams.schemas import SwitchCompleted, SwitchEvent, SwitchPlanned, decode
+from oserve.streams.schemas import CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
 from oserve.traces import Trace, load_trace
 from oserve.workers.clock import Clock
@@ -253,8 +253,8 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
                  subjects: Subjects | None = None) -> dict:
     """Publish a trace's requests at their sped-up times, await every reply, and summarise.
 
-    Each request carries what a client sends: its input length and its max tokens if the trace has
-    them. Its true output length goes only to the simulated engine (`sim_output_tokens`, which the
+    Each request carries what a client sends: its input length, and its max tokens and client tag if
+    the trace has them. Its true output length goes only to the simulated engine (`sim_output_tokens`, which the
     gateway never reads): the router classes it as a real one would, without knowing it.
     """
     subjects = subjects or client.subjects
@@ -279,12 +279,14 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]  # ids unique per run: a second replay must not meet the first's answers
 
-    async def one(i: int, at_s: float, inp: int, out: int, cap: int) -> None:
+    async def one(i: int, at_s: float, inp: int, out: int, cap: int, cid: int) -> None:
         nonlocal lost
         await asyncio.sleep(max(0.0, t0 + at_s / speedup - time.monotonic()))
         try:
+            tag = client_tag(cid)
             r = await client.submit(input_tokens=inp, max_tokens=cap or None, request_id=f"replay-{run_id}-{i}",
-                                    timeout_s=timeout_s, sim_output_tokens=max(1, out))
+                                    tags={CLIENT_TAG: tag} if tag else None, timeout_s=timeout_s,
+                                    sim_output_tokens=max(1, out))
             e2e.append(r.e2e_s)
         except RequestRejected as exc:
             errors[exc.code] = errors.get(exc.code, 0) + 1
@@ -295,7 +297,7 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
     async with asyncio.TaskGroup() as tg:
         for i in range(len(trace)):
             tg.create_task(one(i, float(trace.arrival_s[i]) - start_s, int(trace.input_tokens[i]),
-                               int(trace.output_tokens[i]), int(trace.max_tokens[i])))
+                               int(trace.output_tokens[i]), int(trace.max_tokens[i]), int(trace.client_ids[i])))
     await sub.unsubscribe()
     e2e.sort()
     return {
