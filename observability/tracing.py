@@ -19,7 +19,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor,
-                                            SpanExporter)
+                                            SpanExporter, SpanExportResult)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -30,7 +30,8 @@ TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 _propagator = TraceContextTextMapPropagator()
 
-Exporter = Literal["none", "console", "otlp", "memory"]
+Exporter = Literal["none", "console", "otlp", "memory", "file"]
+EXPORTERS = ("none", "console", "otlp", "memory", "file")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +39,58 @@ class TracingConfig:
     """Where spans go."""
 
     exporter: Exporter = "none"
-    """`otlp` (HTTP, e.g. Jaeger's :4318), `console`, `memory` (tests) or `none`."""
+    """`otlp` (HTTP, e.g. Jaeger's :4318), `file` (OTLP JSON lines at `file_path`), `console`, `memory`
+    (tests) or `none`."""
     otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
     """OTLP/HTTP traces endpoint, used when exporter is `otlp`."""
+    file_path: str = "traces.jsonl"
+    """Where the `file` exporter appends its spans."""
     service_name: str = "oserve"
 
     def __post_init__(self) -> None:
-        if self.exporter not in ("none", "console", "otlp", "memory"):
-            raise ConfigError(f"TracingConfig.exporter must be none, console, otlp or memory, got {self.exporter!r}")
+        if self.exporter not in EXPORTERS:
+            raise ConfigError(f"TracingConfig.exporter must be one of {', '.join(EXPORTERS)}, got {self.exporter!r}")
+
+
+_OTLP_ID_KEYS = ("traceId", "spanId", "parentSpanId")
+
+
+def _hex_ids(value):
+    """OTLP/JSON's one departure from protobuf's JSON mapping: trace and span ids are hex, not base64. Pure."""
+    import base64
+
+    if isinstance(value, list):
+        return [_hex_ids(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    return {k: base64.b64decode(v).hex() if k in _OTLP_ID_KEYS and isinstance(v, str) else _hex_ids(v)
+            for k, v in value.items()}
+
+
+class OTLPJsonFileExporter(SpanExporter):
+    """Spans as OTLP/JSON, one `ExportTraceServiceRequest` per line (lowerCamelCase fields, enums as
+    integers, ids in hex): the format of the OpenTelemetry Collector's file exporter, which the
+    Collector's `otlpjsonfile` receiver reads back and forwards to Jaeger."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in shutdown)
+
+    def export(self, spans) -> SpanExportResult:
+        import json
+
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        if self._file.closed:
+            return SpanExportResult.FAILURE
+        body = _hex_ids(MessageToDict(encode_spans(spans), use_integers_for_enums=True))
+        self._file.write(json.dumps(body, separators=(",", ":")) + "\n")
+        self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self._file.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +118,9 @@ def setup_tracing(config: TracingConfig, *, component: str = "oserve") -> Tracin
     elif config.exporter == "console":
         exporter = ConsoleSpanExporter()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif config.exporter == "file":
+        exporter = OTLPJsonFileExporter(config.file_path)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -87,6 +87,63 @@ def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
     setup.shutdown()
 
 
+def test_a_request_span_links_to_the_switch_that_put_its_assignment_in_force(server) -> None:
+    from oserve.streams.schemas import AssignmentSet, encode
+
+    setup = setup_tracing(TracingConfig(exporter="memory"))
+    tracer = setup.tracer
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            subjects = unique_subjects()
+            nc = await nats.connect(server.url)
+            stack.push_async_callback(nc.close)
+            clock = Clock(speedup=50)
+            await stack.enter_async_context(EngineWorker(
+                nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer))
+            gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock, tracer=tracer))
+            await gw.wait_for_replicas(1, 5)
+            client = OServeClient(nc, subjects, tracer=tracer)
+            await client.submit(input_tokens=100, max_tokens=10, request_id="before", timeout_s=5)
+            with tracer.start_as_current_span("switch.execute") as switch:
+                await nc.publish(subjects.plan_event("assignment"),
+                                 encode(AssignmentSet(strategy_id="s7", weights=[{"r0": 1.0}])), headers=inject(switch))
+            while gw.strategy_id != "s7":
+                await asyncio.sleep(0.01)
+            await client.submit(input_tokens=100, max_tokens=10, request_id="after", timeout_s=5)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    spans = setup.exporter.get_finished_spans()
+    switch = next(s for s in spans if s.name == "switch.execute")
+    routed = {s.attributes["oserve.request_id"]: s for s in spans if s.name == "gateway.route"}
+    assert not routed["before"].links  # no strategy in force yet
+    (link,) = routed["after"].links
+    assert link.context.span_id == switch.context.span_id and link.context.trace_id == switch.context.trace_id
+    assert link.attributes["oserve.strategy_id"] == "s7" and routed["after"].attributes["oserve.strategy_id"] == "s7"
+    setup.shutdown()
+
+
+def test_the_file_exporter_writes_otlp_json_lines(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "traces.jsonl"
+    setup = setup_tracing(TracingConfig(exporter="file", file_path=str(path), service_name="oserve-test"))
+    with setup.tracer.start_as_current_span("parent"):
+        with setup.tracer.start_as_current_span("child", attributes={"oserve.request_id": "q1"}):
+            pass
+    setup.shutdown()
+    lines = path.read_text().splitlines()
+    spans = [sp for line in lines for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"]
+             for sp in ss["spans"]]
+    resource = json.loads(lines[0])["resourceSpans"][0]["resource"]["attributes"]
+    assert {"key": "service.name", "value": {"stringValue": "oserve-test"}} in resource
+    by_name = {sp["name"]: sp for sp in spans}
+    assert by_name["child"]["parentSpanId"] == by_name["parent"]["spanId"]  # OTLP JSON: hex ids, camelCase
+    assert by_name["child"]["traceId"] == by_name["parent"]["traceId"] and len(by_name["child"]["traceId"]) == 32
+    assert by_name["child"]["attributes"] == [{"key": "oserve.request_id", "value": {"stringValue": "q1"}}]
+    assert by_name["child"]["kind"] == 1  # SPAN_KIND_INTERNAL, an integer as OTLP/JSON requires
+
+
 def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -> None:
     import numpy as np
 
