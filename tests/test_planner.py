@@ -301,3 +301,51 @@ def test_decisions_keep_their_weights_checked():
         Decision(dep, ((1.0,),))
     d = Decision(dep, ((1.0, 0.0), (0.0, 2.0)))
     assert d.eligible(1) == (0.0, 2.0) and d.eligible(7) is None
+
+
+@settings(max_examples=6, deadline=None)
+@given(budget=st.integers(2, 9), flip=st.booleans())
+def test_a_decision_scores_at_most_its_budget_and_is_the_same_with_a_budget_it_does_not_reach(prior16, budget,
+                                                                                           flip):
+    """`max_twin_scores` bounds the twin scorings of a decision after the first (what runs now always
+    among them). Reference: the same planner with no limit, whose decision it reproduces whenever the
+    unlimited one needed no more scorings than the budget."""
+    cluster = cluster_for_gpus(8)
+    ctx = PlanningContext(LLAMA, cluster, prior16.table)
+    twin = TwinConfig(initial_horizon_s=120.0, horizon_s=90.0)
+    unlimited = OServePlanner(ctx, PlannerConfig(twin=twin))
+    limited = OServePlanner(ctx, PlannerConfig(twin=twin, max_twin_scores=budget))
+    rates = prior16.counts[-1] / 60.0
+    first = unlimited.plan(rates, None, None, 60.0)
+    moved = rates[::-1].copy() if flip else rates * 1.6  # a mix that moved: the candidates are rescored
+
+    def counted(planner):
+        calls = []
+        real = planner.twin.score
+        planner.twin.score = lambda *a, **kw: calls.append(a[0]) or real(*a, **kw)
+        try:
+            return planner.plan(moved, first, None, 60.0), calls
+        finally:
+            planner.twin.score = real
+    want, all_calls = counted(unlimited)
+    got, calls = counted(limited)
+    assert len(calls) <= budget
+    assert calls[0].shapes() == first.deployment.shapes()  # what runs now is scored first
+    if len(all_calls) <= budget:
+        assert got == want
+
+
+def test_the_static_planner_keeps_its_deployment_and_routes_every_class_everywhere(prior16):
+    from oserve.planner.static import StaticPlanner
+
+    dep = homogeneous_deployment(cluster_for_gpus(8), ReplicaShape(4))
+    planner = StaticPlanner(dep, prior16.class_names)
+    first = planner.plan(np.ones(4), None, None, 60.0)
+    assert first.deployment == dep and first.weights == ((1.0, 1.0),) * 4 and first.label == "static"
+    renamed = Deployment(tuple(Replica(f"s0-{r.replica_id}", r.shape, r.gpu_ids) for r in dep.replicas))
+    again = planner.plan(np.full(4, 9.0), replace(first, deployment=renamed), None, 60.0)
+    assert again.deployment == renamed  # the replicas in force: never a switch
+    with pytest.raises(ConfigError):
+        planner.plan(np.ones(3), None, None, 60.0)
+    with pytest.raises(ConfigError):
+        PlannerConfig(max_twin_scores=1)

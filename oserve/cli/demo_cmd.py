@@ -1,17 +1,26 @@
-"""`oserve demo`: the main job — the whole live pipeline on an embedded NATS, replaying the bundled trace.
+"""`oserve demo`: the main job — the whole live pipeline on an embedded NATS, against a static deployment.
 
-It starts a real `nats-server`, every worker (gateway/router, forecaster stage, scheduler, switch
-planner, engines with the simulated backend on a clock running `--speedup` times faster than wall
-time), fits the planner's models on the bundled Azure conversation trace's first `--history-minutes`,
-replays the minutes after them through the client with a live view, then prints a summary and writes
-a report folder. `--simulated` instead runs the same method and its baselines in
-the offline simulator, side by side.
+It starts a real `nats-server` and every worker (gateway/router, forecaster stage with the live
+LSTM, scheduler running OServe's planner with the digital twin, switch planner, engines with the
+simulated backend on a clock running `--speedup` times faster than wall time), fits the planner's
+models on the workload's history, replays its window through the client with a live view, then, in
+the same run and on the same server, replays the same window through the same pipeline with the
+static baseline's planner (the best homogeneous deployment, chosen on the history by simulating the
+candidates, as `oserve simulate` chooses vllm-static), and prints both P99s, their ratio and the
+switches made, and writes a report folder.
+
+The default workload, `shift`, is the paper's kind of shifting mix built from real requests (the
+bundled Azure conversation trace's lengths): short prompts, then long prompts, then short again
+(`oserve.evaluation.scenarios.SHIFT_MIXES`), at 0.8 of the capacity of each phase's best homogeneous
+deployment. `--workload azure-conv` replays the bundled hour itself, unscaled. `--simulated` instead
+runs the same method and its baselines in the offline simulator, side by side.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import typer
@@ -20,87 +29,178 @@ from rich.table import Table
 
 from oserve.cli import app
 
+WORKLOADS = ("shift", "azure-conv")
+
 
 @app.command("demo")
 def demo(
     model: str = typer.Option("llama2-70b", help="Model preset."),
-    gpus: int = typer.Option(16, help="GPUs in the (simulated) cluster."),
-    minutes: float = typer.Option(50.0, help="Minutes of the bundled trace to replay, after its history."),
-    history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes of the bundled trace the "
-                                                                          "planner's models are fitted on."),
-    speedup: float = typer.Option(60.0, help="Clock speed relative to wall time."),
-    out: Path = typer.Option(Path("report/demo"), help="Report folder (PNG plots, summary.json)."),
+    gpus: int = typer.Option(8, help="GPUs in the (simulated) cluster."),
+    workload: str = typer.Option("shift", help="shift (a mix that moves between short and long prompts, real "
+                                               "lengths) or azure-conv (the bundled hour, unscaled)."),
+    minutes: float = typer.Option(18.0, help="Minutes of the workload to replay, after its history."),
+    history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes of history the planner's "
+                                                                          "models are fitted on."),
+    speedup: float = typer.Option(20.0, help="Clock speed relative to wall time."),
+    load: float = typer.Option(0.8, help="shift and --simulated: demand as a fraction of the best homogeneous "
+                                         "capacity."),
+    static: bool = typer.Option(True, "--static/--no-static", help="Replay the same window against the static "
+                                                                   "deployment too, in the same run."),
+    otlp_endpoint: str = typer.Option("", "--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                                      help="OTLP/HTTP traces endpoint (e.g. Jaeger's http://127.0.0.1:4318/v1/traces); "
+                                           "empty: spans go to traces.jsonl in the report folder."),
+    out: Path = typer.Option(Path("report/demo"), help="Report folder (PNG plots, summary.json, traces)."),
     view: bool = typer.Option(True, help="Show the live view while replaying."),
     simulated: bool = typer.Option(False, "--simulated", help="Compare OServe with the baselines in the offline "
                                                                 "simulator instead of running the live pipeline."),
-    load: float = typer.Option(0.8, help="--simulated only: demand as a fraction of the best homogeneous capacity."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
 ) -> None:
-    """Run the main job: the bundled trace through the live OServe pipeline, with a report folder."""
+    """Run the main job: a shifting workload through the live OServe pipeline and a static deployment."""
     from oserve.errors import ConfigError
     from oserve.specs import cluster_for_gpus, model_preset
 
     model_preset(model)  # fail fast on bad input, before any work
     cluster_for_gpus(gpus)
-    if not minutes > 0 or not speedup > 0 or not history_minutes > 0:
-        raise ConfigError(f"--minutes, --history-minutes and --speedup must be > 0, got {minutes}, "
-                          f"{history_minutes} and {speedup}")
+    if not minutes > 0 or not speedup > 0 or not history_minutes > 0 or not load > 0:
+        raise ConfigError(f"--minutes, --history-minutes, --speedup and --load must be > 0, got {minutes}, "
+                          f"{history_minutes}, {speedup} and {load}")
+    if workload not in WORKLOADS:
+        raise ConfigError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     out.mkdir(parents=True, exist_ok=True)
     if simulated:
         summary = _simulated(model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
-        summary = _live(model, gpus, minutes, history_minutes, speedup, out, view and not json_out,
-                        show=not json_out)
+        summary = _live(model, gpus, workload, minutes, history_minutes, speedup, load, static, otlp_endpoint, out,
+                        view and not json_out, show=not json_out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
 
 
-def _live(model: str, gpus: int, minutes: float, history_minutes: float, speedup: float, out: Path, view: bool,
-          show: bool) -> dict:
+def demo_scenario(workload: str, model: str, gpus: int, minutes: float, history_minutes: float, load: float):
+    """The history the planner is fitted on and the window replayed (an `oserve.evaluation` Scenario)."""
+    from oserve.errors import ConfigError
+    from oserve.evaluation.scenarios import Scenario, build_scenario, mean_mix, mix_cv_of
+    from oserve.specs import cluster_for_gpus, model_preset
+    from oserve.traces import load_trace
+    from oserve.workload_types import fit_types
+
+    if workload == "shift":
+        return build_scenario("shift", model_preset(model), cluster_for_gpus(gpus), load=load, minutes=minutes,
+                              history_minutes=history_minutes)
+    trace = load_trace(workload)  # the bundled hour as it is: no scaling
+    history_s = history_minutes * 60.0
+    window = trace.slice_time(history_s, history_s + minutes * 60.0)
+    if not len(window):
+        raise ConfigError(f"the bundled trace has no request after its first {history_minutes:g} minutes")
+    types = fit_types(trace.input_tokens, trace.output_tokens)
+    return Scenario(workload, trace.slice_time(0.0, history_s), history_s, window, types,
+                    mix_cv_of(mean_mix(window, types)))
+
+
+def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes: float, speedup: float, load: float,
+          static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool) -> dict:
     import asyncio
+    from dataclasses import replace
+
+    import numpy as np
 
     from oserve.cli.live_cmds import _system_config
-    from oserve.errors import ConfigError
     from oserve.cli.sim_cmds import out_console
+    from oserve.evaluation.compare import EvalConfig, choose_static
+    from oserve.observability.tracing import TracingConfig
     from oserve.streams.server import NatsServer
-    from oserve.traces import load_trace
+    from oserve.streams.subjects import Subjects
+    from oserve.workers.system import planning_inputs
 
-    trace = load_trace("azure-conv")
-    history_s = history_minutes * 60.0
-    part = trace.slice_time(history_s, history_s + minutes * 60.0)
-    if not len(part):
-        raise ConfigError(f"the bundled trace has no request after its first {history_minutes:g} minutes")
-    config = _system_config("oserve", model, gpus, speedup, 60.0, "azure-conv", "none", "",
-                            history_minutes=history_minutes)
     console = Console(stderr=True)
-    console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the bundled Azure conversation trace "
-                  f"(minutes {history_minutes:g} to {history_minutes + part.duration_s / 60:.0f}, after the "
-                  f"{history_minutes:g} the planner is fitted on) through the live pipeline at {speedup:g}x on "
-                  f"{gpus} simulated GPUs ({model}); Ctrl-C drains and stops.")
+    scenario = demo_scenario(workload, model, gpus, minutes, history_minutes, load)
+    part = scenario.window
+    traces_path = out / "traces.jsonl"
+    if otlp_endpoint:
+        tracing = TracingConfig(exporter="otlp", otlp_endpoint=otlp_endpoint)
+    else:
+        traces_path.unlink(missing_ok=True)
+        tracing = TracingConfig(exporter="file", file_path=str(traces_path))
+    config = replace(_system_config("oserve", model, gpus, speedup, 60.0, workload, "none", "",
+                                    history_minutes=history_minutes), tracing=tracing)
+    console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the {workload} workload ({minutes:g} minutes "
+                  f"after {history_minutes:g} minutes of history the planner is fitted on) through the live pipeline "
+                  f"at {speedup:g}x on {gpus} simulated GPUs ({model})"
+                  + (", then the same replay against the static deployment" if static else "")
+                  + "; Ctrl-C drains and stops.")
     start = time.perf_counter()
+    inputs = planning_inputs(config, history=scenario.history)
+    runs: dict[str, tuple[dict, dict]] = {}
     with NatsServer() as server:
-        result, record = asyncio.run(_live_run(server.url, config, part, speedup, view, console))
-    result["seconds"] = time.perf_counter() - start
-    _live_report(record, config, gpus, out)
-    summary = {"mode": "live", "model": model, "gpus": gpus, "minutes": minutes, **result, "report": str(out)}
+        runs["oserve"] = asyncio.run(_live_run(server.url, config, inputs, part, speedup, view, console))
+        if static:
+            dep, tried = choose_static(inputs.ctx.model, inputs.ctx.cluster, scenario, inputs.prior, EvalConfig())
+            static_config = replace(config, subjects=Subjects("static"),
+                                    tracing=replace(tracing, service_name="oserve-static"))
+            console.print(f"oserve demo: the static deployment, chosen on the history: {dep.shapes()[0]} x "
+                          f"{len(dep.replicas)}; replaying the same window against it")
+            runs["static"] = asyncio.run(_live_run(server.url, static_config, inputs.static(dep), part, speedup,
+                                                   view, console))
+    result, record = runs["oserve"]
+    _live_report({name: rec for name, (_, rec) in runs.items()}, config, gpus, out)
+    forecasts = sorted(record["forecasts"], key=lambda f: f.span_index)
+    strategies = [s for s in record["strategies"] if s.span_index > 0]  # the first is planned before serving
+    decide = np.array([s.decide_wall_s for s in strategies]) if strategies else np.zeros(1)
+    in_force = [f.forecaster for f in forecasts]
+    summary = {
+        "mode": "live", "workload": workload, "model": model, "gpus": gpus, "minutes": minutes, **result,
+        "forecaster_in_force": in_force[-1] if in_force else "",
+        "forecaster_spans": {kind: in_force.count(kind) for kind in sorted(set(in_force))},
+        "forecaster_note": forecasts[-1].forecaster_note if forecasts else "no forecast made",
+        "forecast_rrmse": forecasts[-1].recent_rrmse if forecasts else {},
+        "misclassified_frac": float(np.mean([f.misclassified_frac for f in forecasts])) if forecasts else 0.0,
+        "decide_wall_s": {"median": float(np.median(decide)), "max": float(decide.max()),
+                          "budget": strategies[0].budget_wall_s if strategies else 0.0,
+                          "over_budget": int(sum(s.decide_wall_s > s.budget_wall_s for s in strategies))},
+        "deployments": sorted({" + ".join(str(shape) for shape in _shapes(s)) for s in record["strategies"]}),
+        "decisions": dict(Counter(s.label for s in record["strategies"])),
+        "traces": otlp_endpoint or str(traces_path),
+        "report": str(out),
+    }
+    if static:
+        sres = runs["static"][0]
+        summary["static"] = {k: sres[k] for k in ("requests", "answered", "errors", "lost", "switches", "p50_s",
+                                                   "p99_s", "wall_s")}
+        summary["static"]["deployment"] = f"{dep.shapes()[0]} x {len(dep.replicas)}"
+        summary["static"]["chosen_on_history_p99_s"] = tried
+        summary["p99_ratio_static_over_oserve"] = sres["p99_s"] / result["p99_s"] if result["p99_s"] > 0 else float("nan")
+    summary["seconds"] = time.perf_counter() - start
     if not show:
         return summary
-    t = Table(title="oserve demo: live pipeline")
+    t = Table(title="oserve demo: the live pipeline")
     t.add_column("what")
-    t.add_column("value", justify="right")
+    t.add_column("OServe", justify="right")
+    if static:
+        t.add_column("static", justify="right")
     for key in ("requests", "answered", "errors", "lost", "switches", "p50_s", "p99_s", "wall_s"):
-        v = result[key]
-        t.add_row(key, f"{v:.2f}" if isinstance(v, float) else str(v))
+        cells = [result[key]] + ([summary["static"][key]] if static else [])
+        t.add_row(key, *(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells))
     console_out = out_console()
     console_out.print(t)
+    if static:
+        console_out.print(f"P99 static / OServe: {summary['p99_ratio_static_over_oserve']:.2f} "
+                          f"(static: {summary['static']['deployment']})")
+    console_out.print(f"Forecaster in force at the end: {summary['forecaster_in_force']} "
+                      f"{summary['forecaster_note']}; decisions took {summary['decide_wall_s']['median']:.2f} s "
+                      f"(median, budget {summary['decide_wall_s']['budget']:.2f} s).")
     console_out.print(f"Latencies are on the pipeline's clock ({speedup:g}x wall time). Report: {out}/ (latency_cdf.png, "
-                      f"deployment.png, rates.png, summary.json). For OServe against the baselines: oserve simulate, "
-                      f"or oserve demo --simulated.")
+                      f"deployment.png, rates.png, summary.json, traces).")
     return summary
 
 
-async def _live_run(url: str, config, part, speedup: float, view: bool, console: Console):
+def _shapes(strategy) -> list:
+    from oserve.specs import ReplicaShape
+
+    return sorted(ReplicaShape(r.tp, r.pp) for r in strategy.replicas)
+
+
+async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, console: Console):
     """Start every worker, replay with the live view, drain; returns (replay result, recorded events)."""
     import asyncio
     import contextlib
@@ -111,7 +211,7 @@ async def _live_run(url: str, config, part, speedup: float, view: bool, console:
     from oserve.streams.client import OServeClient
     from oserve.observability.live_view import LiveView
     from oserve.streams.schemas import Completed, ForecastMade, StrategyChosen, decode
-    from oserve.workers.system import LiveSystem, connect, planning_inputs, replay
+    from oserve.workers.system import LiveSystem, connect, replay
 
     subjects = config.subjects
     record: dict[str, list] = {"forecasts": [], "strategies": [], "completions": []}
@@ -125,7 +225,7 @@ async def _live_run(url: str, config, part, speedup: float, view: bool, console:
     async def on_completed(msg) -> None:
         record["completions"].extend(decode(msg.data, Completed).items)
 
-    nc = await connect(url, "oserve-demo")
+    nc = await connect(url, f"oserve-demo-{subjects.prefix}")
     subs = [await nc.subscribe(subjects.plan_event("forecast"), cb=on_plan),
             await nc.subscribe(subjects.plan_event("strategy"), cb=on_plan),
             await nc.subscribe(subjects.completions(), cb=on_completed)]
@@ -136,7 +236,6 @@ async def _live_run(url: str, config, part, speedup: float, view: bool, console:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        inputs = planning_inputs(config)
         record["class_names"] = list(inputs.prior.class_names)
         async with LiveSystem(nc, config, inputs) as system:
             await system.wait_serving(60)
@@ -161,6 +260,8 @@ async def _live_run(url: str, config, part, speedup: float, view: bool, console:
                     result = task.result()
             finally:
                 await client.close()
+            if system.scheduler is not None:
+                result["num_over_budget"] = system.scheduler.num_over_budget
     finally:
         for sub in subs:
             await sub.unsubscribe()
@@ -168,8 +269,10 @@ async def _live_run(url: str, config, part, speedup: float, view: bool, console:
     return result, record
 
 
-def _live_report(record: dict, config, gpus: int, out: Path) -> None:
-    """PNG plots from the recorded events, in the same formats as the simulator's report."""
+def _live_report(records: dict[str, dict], config, gpus: int, out: Path) -> None:
+    """PNG plots from the recorded events (`records`: run name -> its events; "oserve" first), in the
+    simulator's report formats: both runs' latency CDFs, OServe's deployment over time with its switches,
+    and its per-class rates against its forecast."""
     import numpy as np
 
     from oserve.engine_model import TokenHistogram
@@ -177,16 +280,21 @@ def _live_report(record: dict, config, gpus: int, out: Path) -> None:
     from oserve.sim.kernel import SimResult
     from oserve.specs import ReplicaShape
 
-    done = record["completions"]
+    results = {}
+    for name, record in records.items():
+        done = record["completions"]
+        if done:
+            n = len(done)
+            e2e = np.array([c.e2e_s for c in done])
+            ttft = np.array([c.ttft_s for c in done])
+            none = np.zeros(n, dtype=bool)  # neither refused nor unfinished: these all completed
+            results[f"{name} (live)"] = SimResult(f"{name} (live)", np.zeros(n), np.zeros(n, dtype=int), ttft, e2e,
+                                                  e2e, none, none, 0, 0, TokenHistogram(), np.zeros(n), np.zeros(n),
+                                                  np.zeros(n), [])
+    if results:
+        report.latency_cdf(results, out / "latency_cdf.png", "Live pipeline: latency (clock seconds)")
+    record = records["oserve"]
     names = tuple(record.get("class_names", ()))
-    if done:
-        n = len(done)
-        e2e = np.array([c.e2e_s for c in done])
-        ttft = np.array([c.ttft_s for c in done])
-        none = np.zeros(n, dtype=bool)
-        live = SimResult("oserve (live)", np.zeros(n), np.zeros(n, dtype=int), ttft, e2e, e2e, none, none, 0, 0,
-                         TokenHistogram(), np.zeros(n), np.zeros(n), np.zeros(n), [])
-        report.latency_cdf({"oserve (live)": live}, out / "latency_cdf.png", "Live pipeline: latency (clock seconds)")
     span_s = config.span_s
     strategies = sorted(record["strategies"], key=lambda s: s.span_index)
     if strategies:
@@ -197,7 +305,7 @@ def _live_report(record: dict, config, gpus: int, out: Path) -> None:
             spans.append({"start_s": s.span_index * span_s, "span_index": s.span_index, "deployment": dep,
                           "switched": key != last})
             last = key
-        report.deployment_timeline(spans, gpus, out / "deployment.png", "Live pipeline: deployment over time")
+        report.deployment_timeline(spans, gpus, out / "deployment.png", "Live pipeline: OServe's deployment over time")
     forecasts = sorted(record["forecasts"], key=lambda f: f.span_index)
     if forecasts and names:
         planned = {f.span_index + 1: list(f.forecast_rps) for f in forecasts}

@@ -157,8 +157,8 @@ def _policies(policy: str) -> tuple[str, ...]:
 
 @app.command("simulate")
 def simulate_cmd(
-    trace: str = typer.Option("azure-conv", help="A trace file, azure-conv / azure-code, S1-S5, T1-T4 or "
-                                                 "servegen-m-large / servegen-m-mid."),
+    trace: str = typer.Option("azure-conv", help="A trace file, azure-conv / azure-code, S1-S5, T1-T4, shift "
+                                                 "(the demo's workload) or servegen-m-large / servegen-m-mid."),
     model: str = typer.Option("llama2-70b", help="Model preset."),
     gpus: int = typer.Option(16, help="GPUs in the cluster (whole 8-GPU nodes above 8)."),
     policy: str = typer.Option("all", help="all, or a comma-separated list of oserve, vllm-static, vllm-static-rr, "

@@ -11,6 +11,8 @@ so nothing a policy uses was fitted on the requests it serves:
   types follow the mix, each request a real request of its type drawn from the Azure conversation
   trace. The history (the first phase's mix) draws from the trace's first `POOL_SPLIT_S` seconds, the
   window from the rest: the requests a policy learns from are never those it serves.
+- `shift` (the live demo's workload): the same kind of sequence over `SHIFT_MIXES` (short prompts,
+  long prompts, short again), at `load` of the least of its phases' best homogeneous capacities.
 - A ServeGen slice (servegen-m-large, servegen-m-mid): the history is the `history_minutes` before the
   slice, generated the same way (`oserve.servegen`).
 
@@ -157,9 +159,11 @@ def composition(shares: dict[str, float], pool: Trace, pool_types: np.ndarray, t
 
 
 def sequence(phases: tuple[str, ...], pool: Trace, pool_types: np.ndarray, types: WorkloadTypes, rate_rps: float,
-             phase_s: float, rng: np.random.Generator, name: str = "custom") -> Trace:
-    """Compositions one after another, `phase_s` each (the paper's shifting workloads). Pure given rng."""
-    parts = [composition(COMPOSITIONS[p], pool, pool_types, types, rate_rps, phase_s, rng, start_s=i * phase_s)
+             phase_s: float, rng: np.random.Generator, name: str = "custom",
+             mixes: dict[str, dict[str, float]] = COMPOSITIONS) -> Trace:
+    """Compositions (named in `mixes`) one after another, `phase_s` each (the paper's shifting workloads).
+    Pure given rng."""
+    parts = [composition(mixes[p], pool, pool_types, types, rate_rps, phase_s, rng, start_s=i * phase_s)
              for i, p in enumerate(phases)]
     return Trace.concat(parts, name)
 
@@ -180,7 +184,7 @@ def build_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: floa
         raise ConfigError(f"history_minutes must be > 0, got {history_minutes}")
     rng = np.random.default_rng(seed)
     history_s = history_minutes * 60.0
-    if name in COMPOSITIONS or name in SEQUENCES:
+    if name in COMPOSITIONS or name in SEQUENCES or name == "shift":
         return _paper_scenario(name, model, cluster, load, minutes, rng, target, history_s, pool_trace)
     if name.startswith("servegen-") or Path(name).name.startswith("servegen_"):
         return _servegen_scenario(name, model, cluster, load, minutes, rng, target, history_s)
@@ -198,27 +202,46 @@ def build_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: floa
     return Scenario(trace.name, history, history_s, window, types, mix_cv_of(mean_mix(window, types)))
 
 
+SHIFT_MIXES: dict[str, dict[str, float]] = {
+    "inputs-short": {"SISO": 50.0, "SILO": 30.0, "LISO": 10.0, "LILO": 10.0},
+    "inputs-long": {"SISO": 10.0, "SILO": 10.0, "LISO": 40.0, "LILO": 40.0},
+}
+"""The `shift` scenario's phases (percent by type): a mix that moves between short and long prompts, the
+kind of shift a gateway can see at arrival (the input length is known then, the output length is not)."""
+SHIFT_PHASES: tuple[str, ...] = ("inputs-short", "inputs-long", "inputs-short")
+
+
 def _paper_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: float, minutes: float | None,
                     rng: np.random.Generator, target: LatencyTarget, history_s: float, pool_trace: str) -> Scenario:
+    """A composition, a sequence, or `shift`. The paper's run at `load` x the best homogeneous capacity of
+    their mean mix; `shift` at `load` x the least of its phases' best homogeneous capacities, so the
+    deployment best for each phase is never overrun while the one best for another may be."""
     pool = load_trace(pool_trace)
     types = fit_types(pool.input_tokens, pool.output_tokens)
     require_paper_names(types)
     pool_types = true_types(pool, types)
     table = CapacityTable(model, cluster.gpu, types, target, gpus_per_node=cluster.gpus_per_node)
-    phases = (name,) if name in COMPOSITIONS else SEQUENCES[name]
+    mixes = {**COMPOSITIONS, **SHIFT_MIXES}
+    phases = (name,) if name in COMPOSITIONS else SHIFT_PHASES if name == "shift" else SEQUENCES[name]
     total_min = minutes or (20.0 if name in COMPOSITIONS else 30.0)
-    shares = np.zeros(types.k)
-    for p in phases:
-        for type_name, pct in COMPOSITIONS[p].items():
-            shares[types.index(type_name)] += pct / len(phases)
-    mix = shares / shares.sum()
-    rate = load * static_capacity_rps(table, cluster, mix)[0][0]
+
+    def mix_of(phase_names: tuple[str, ...]) -> np.ndarray:
+        shares = np.zeros(types.k)
+        for p in phase_names:
+            for type_name, pct in mixes[p].items():
+                shares[types.index(type_name)] += pct / len(phase_names)
+        return shares / shares.sum()
+    mix = mix_of(phases)
+    if name == "shift":
+        rate = load * min(static_capacity_rps(table, cluster, mix_of((p,)))[0][0] for p in phases)
+    else:
+        rate = load * static_capacity_rps(table, cluster, mix)[0][0]
     early = pool.arrival_s < POOL_SPLIT_S
     history_pool, window_pool = pool.take(np.nonzero(early)[0]), pool.take(np.nonzero(~early)[0])
-    history = composition(COMPOSITIONS[phases[0]], history_pool, pool_types[early], types, rate, history_s, rng,
+    history = composition(mixes[phases[0]], history_pool, pool_types[early], types, rate, history_s, rng,
                           name=f"{name}-history")
     phase_s = total_min * 60.0 / len(phases)
-    window = sequence(phases, window_pool, pool_types[~early], types, rate, phase_s, rng, name=name)
+    window = sequence(phases, window_pool, pool_types[~early], types, rate, phase_s, rng, name=name, mixes=mixes)
     return Scenario(name, history, history_s, window, types, mix_cv_of(mix))
 
 
