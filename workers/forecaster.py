@@ -205,7 +205,10 @@ class ForecasterStage(Worker):
         while True:
             await self.clock.sleep_until((span + 1) * span_s)
             await asyncio.sleep(self.config.grace_wall_s)
-            await self.emit(span)
+            if self._emitted is not None or self._counts:
+                await self.emit(span)
+            # else: nothing has arrived since the system started: an empty span says nothing of the demand
+            # (the system was starting), and the strategy planned from the history stays in force
             span += 1
 
     def _observe_span(self, counts: np.ndarray, span: int) -> None:

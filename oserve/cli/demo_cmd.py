@@ -160,6 +160,9 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
                           "over_budget": int(sum(s.decide_wall_s > s.budget_wall_s for s in strategies))},
         "deployments": sorted({" + ".join(str(shape) for shape in _shapes(s)) for s in record["strategies"]}),
         "decisions": dict(Counter(s.label for s in record["strategies"])),
+        "spans": [{"span_index": f.span_index, "observed_counts": f.observed_counts,
+                   "forecast_rps": [round(x, 3) for x in f.forecast_rps], "forecaster": f.forecaster,
+                   "recent_rrmse": {k: round(v, 3) for k, v in f.recent_rrmse.items()}} for f in forecasts],
         "traces": otlp_endpoint or str(traces_path),
         "report": str(out),
     }
@@ -204,6 +207,7 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
     """Start every worker, replay with the live view, drain; returns (replay result, recorded events)."""
     import asyncio
     import contextlib
+    import math
     import signal
 
     from rich.live import Live
@@ -239,6 +243,8 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
         record["class_names"] = list(inputs.prior.class_names)
         async with LiveSystem(nc, config, inputs) as system:
             await system.wait_serving(60)
+            # start at a span boundary, so the spans the forecaster counts are the workload's minutes
+            await system.clock.sleep_until(math.ceil(system.clock.now_s() / config.span_s) * config.span_s)
             client = await OServeClient.connect(url, subjects=subjects, default_timeout_s=120.0)
             try:
                 with Live(live_view.render(), console=console, refresh_per_second=2) if view \
