@@ -35,12 +35,18 @@ class Decision:
     scored_rps: tuple[float, ...] = ()
     """The rates at which the deployment was last scored against the alternatives; the planner rescores
     only when its forecast has moved away from them. Empty: never scored."""
+    deferred_spans: int = 0
+    """Consecutive spans in which a better deployment was found and the switch to it put off for its cost
+    (label `keep`). While positive the planner rescores every span, weighing the switch's cost against
+    the demand of the spans the mix has held."""
 
     def __post_init__(self) -> None:
         n = len(self.deployment.replicas)
         for j, row in enumerate(self.weights):
             if len(row) != n or any(not w >= 0 for w in row):
                 raise ConfigError(f"Decision: weights[{j}] must hold {n} values >= 0, got {row}")
+        if self.deferred_spans < 0:
+            raise ConfigError(f"Decision: deferred_spans must be >= 0, got {self.deferred_spans}")
         if not self.switch_s >= 0:
             raise ConfigError(f"Decision: switch_s must be >= 0, got {self.switch_s}")
 

@@ -255,6 +255,8 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     label: str = ""
     scored_rps: list[float] = []
     """The rates the deployment was last scored at (the planner rescores when the forecast leaves them)."""
+    deferred_spans: int = 0
+    """Spans a better deployment's switch has been put off for its cost (`Decision.deferred_spans`)."""
     decide_wall_s: float = 0.0
     """Wall seconds the planner took for this decision."""
     budget_wall_s: float = 0.0

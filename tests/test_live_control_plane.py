@@ -235,3 +235,20 @@ def test_a_restarted_gateway_follows_the_assignment_in_force(server) -> None:
         await nc.close()
 
     asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_decision_survives_the_strategy_bucket_whole() -> None:
+    """The scheduler resumes from the KV bucket's strategy: every field the planner reads back (the rates
+    scored at, a switch put off) comes back as it went in."""
+    from oserve.decision import Decision
+    from oserve.specs import Deployment, Replica, ReplicaShape
+    from oserve.workers.scheduler import decision_from_strategy, rename_new, strategy_from_decision
+
+    dep = Deployment((Replica("r0", ReplicaShape(4, 1), (0, 1, 2, 3)), Replica("r1", ReplicaShape(2, 2), (4, 5, 6, 7))))
+    d = Decision(dep, ((1.5, 0.0), (0.0, 2.5)), 3.25, (1.5, 2.5), "keep", scored_rps=(1.5, 2.5), deferred_spans=2)
+    s = strategy_from_decision(d, "s3", 3, decide_wall_s=0.05, budget_wall_s=0.3)
+    back = decision_from_strategy(decode(encode(s), StrategyChosen))
+    assert back == d and s.decide_wall_s == 0.05 and s.budget_wall_s == 0.3
+    renamed = rename_new(d, Deployment((dep.replicas[0],)), "s3")
+    assert [r.replica_id for r in renamed.deployment.replicas] == ["r0", "s3-r1"]
+    assert renamed.deferred_spans == 2 and renamed.scored_rps == d.scored_rps and renamed.label == "keep"

@@ -349,3 +349,38 @@ def test_the_static_planner_keeps_its_deployment_and_routes_every_class_everywhe
         planner.plan(np.ones(3), None, None, 60.0)
     with pytest.raises(ConfigError):
         PlannerConfig(max_twin_scores=1)
+
+
+def test_a_switch_put_off_for_its_cost_is_taken_once_the_mix_has_held_long_enough(prior16):
+    """Reference: the spans of demand the switch's lost capacity needs, computed from the same costs."""
+    import math
+
+    from oserve.planner.candidates import served
+
+    cluster = cluster_for_gpus(8)
+    ctx = PlanningContext(LLAMA, cluster, prior16.table)
+    planner = OServePlanner(ctx, PlannerConfig(twin=TwinConfig(initial_horizon_s=120.0)))
+    rates = prior16.counts[-1] / 60.0
+    old = homogeneous_deployment(cluster, ReplicaShape(2, 2))
+    best = homogeneous_deployment(cluster, ReplicaShape(4))
+    target, switch_s = ctx.costs.gpu_to_gpu(LLAMA, cluster, old, stabilize(old, best, cluster))
+    _, n_cur = served(ctx.table, old, rates)
+    kept = {(r.shape, r.gpu_ids) for r in target.replicas}
+    lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in kept)
+    needed = math.ceil(lost * switch_s / (planner.config.max_switch_loss_frac * rates.sum() * 60.0))
+    assert needed >= 2  # one span's demand does not pay for this switch
+    scored = tuple(rates)
+    put_off = planner._switch(old, best, rates, 60.0, scored, held=needed - 1)
+    assert put_off.label == "keep" and put_off.deferred_spans == needed - 1 and put_off.deployment == old
+    taken = planner._switch(old, best, rates, 60.0, scored, held=needed)
+    assert taken.label == "switch" and taken.deferred_spans == 0
+    # a steady mix after a deferral is rescored (the twin consulted), not merely re-routed
+    calls = []
+    real = planner.twin.score
+    planner.twin.score = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    nxt = planner.plan(rates, put_off, None, 60.0)
+    assert calls and nxt.label in ("keep", "switch", "rescored")
+    if nxt.label == "keep":
+        assert nxt.deferred_spans == needed
+    steady = planner.plan(rates, replace(put_off, deferred_spans=0, label="rescored"), None, 60.0)
+    assert steady.label == "reroute"

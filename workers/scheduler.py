@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from nats.aio.client import Client as NATS
@@ -49,8 +49,8 @@ def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int
                   for r in reps],
         weights=[{r.replica_id: float(w) for r, w in zip(reps, row)} for row in decision.weights],
         switch_s=float(decision.switch_s), forecast_rps=[float(x) for x in decision.forecast_rps],
-        label=decision.label, scored_rps=[float(x) for x in decision.scored_rps], decide_wall_s=decide_wall_s,
-        budget_wall_s=budget_wall_s)
+        label=decision.label, scored_rps=[float(x) for x in decision.scored_rps],
+        deferred_spans=decision.deferred_spans, decide_wall_s=decide_wall_s, budget_wall_s=budget_wall_s)
 
 
 def decision_from_strategy(s: StrategyChosen) -> Decision:
@@ -58,7 +58,7 @@ def decision_from_strategy(s: StrategyChosen) -> Decision:
     reps = tuple(Replica(r.replica_id, ReplicaShape(r.tp, r.pp), tuple(r.gpu_ids)) for r in s.replicas)
     weights = tuple(tuple(row.get(r.replica_id, 0.0) for r in reps) for row in s.weights)
     return Decision(Deployment(reps), weights, s.switch_s, tuple(s.forecast_rps), s.label,
-                    scored_rps=tuple(s.scored_rps))
+                    scored_rps=tuple(s.scored_rps), deferred_spans=s.deferred_spans)
 
 
 def rename_new(decision: Decision, old: Deployment, strategy_id: str) -> Decision:
@@ -66,8 +66,7 @@ def rename_new(decision: Decision, old: Deployment, strategy_id: str) -> Decisio
     old_ids = {r.replica_id for r in old.replicas}
     reps = tuple(r if r.replica_id in old_ids else Replica(f"{strategy_id}-{r.replica_id}", r.shape, r.gpu_ids)
                  for r in decision.deployment.replicas)
-    return Decision(Deployment(reps), decision.weights, decision.switch_s, decision.forecast_rps, decision.label,
-                    decision.drain_retired, decision.scored_rps)
+    return replace(decision, deployment=Deployment(reps))
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,7 +125,8 @@ SPAN_S = typer.Option(60.0, help="Forecast/planning span (clock seconds).")
 TRACE = typer.Option("azure-conv", help="History the planner's models are fitted on (requests before the system "
                                         "started).")
 PREFIX = typer.Option("oserve", help="Subject prefix.")
-TRACING = typer.Option("none", help="Span exporter: none, console or otlp.")
+TRACING = typer.Option("none", help="Span exporter: none, console, otlp, or file (OTLP/JSON lines in "
+                                     "./traces.jsonl).")
 OTLP_ENDPOINT = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint.")
 DURATION_S = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C).")
 

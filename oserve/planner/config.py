@@ -43,8 +43,10 @@ class PlannerConfig:
     """Tuned. Switch only to a deployment whose twin score beats what runs by this fraction: the best of
     several candidates on one synthetic span looks better than it is (selection on noise)."""
     max_switch_loss_frac: float = 0.1
-    """A switch may take out of service at most this fraction of the span's demand (capacity of the
-    replicas leaving times the switching time): beyond it, the switch costs more than a span gains."""
+    """A switch may take out of service at most this fraction of the demand (capacity of the replicas
+    leaving times the switching time) of the spans the mix has held: beyond it, the switch costs more than
+    it is expected to gain. A switch put off is reconsidered every span while the mix holds, its cost
+    weighed against one more span's demand each time (`Decision.deferred_spans`)."""
     neighbour_steps: int = 2
     """Moves of steepest descent on the twin from the best candidate (a replica reshaped, split, or two
     merged; `oserve.planner.neighbours`); 0 turns the search off."""

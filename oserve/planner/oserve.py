@@ -83,10 +83,11 @@ class OServePlanner:
         return served_rps >= (1.0 - self.config.served_tolerance_frac) * float(rates.sum())
 
     def _keep(self, old: Deployment, rates: np.ndarray, label: str, scored: tuple[float, ...],
-              assignment: tuple | None = None) -> Decision:
+              assignment: tuple | None = None, deferred_spans: int = 0) -> Decision:
         """Keep `old`, re-routed for `rates` (`assignment`: its (assignment, capacity rows) when known)."""
         a, n = assignment if assignment is not None else served(self.ctx.table, old, rates)
-        return Decision(old, weights_for(a, n), 0.0, tuple(rates), label, scored_rps=scored)
+        return Decision(old, weights_for(a, n), 0.0, tuple(rates), label, scored_rps=scored,
+                        deferred_spans=deferred_spans)
 
     def candidates(self, rates: np.ndarray, old: Deployment) -> list[Deployment]:
         """Deployments worth scoring: what runs now, the MILP's at each candidate slack, and the best
@@ -113,13 +114,17 @@ class OServePlanner:
         ctx, cfg = self.ctx, self.config
         assert self.twin is not None
         old = current.deployment if current else Deployment.empty()
+        held = 1  # spans the mix being planned for has held (this one included)
         if current is not None and current.scored_rps and len(current.scored_rps) == len(rates):
             scored_rates = np.asarray(current.scored_rps, dtype=float)
             base = max(float(scored_rates.sum()), 1e-9)
             moved = float(np.abs(rates - scored_rates).sum()) / base
             noise = poisson_l1_noise(len(rates), base * span_s)
             a_cur, n_cur = served(ctx.table, old, rates)
-            if moved < max(cfg.rescore_change, 2.0 * noise) and self._serves_all(a_cur.served_rps, rates):
+            steady = moved < max(cfg.rescore_change, 2.0 * noise)
+            if steady and current.deferred_spans:
+                held = current.deferred_spans + 1  # a switch put off for its cost: the mix has held since
+            elif steady and self._serves_all(a_cur.served_rps, rates):
                 return self._keep(old, rates, "reroute", current.scored_rps, (a_cur, n_cur))
         scored_at = tuple(float(r) for r in rates)
         # twin scorings left for this decision (the first decision, made before serving, has no limit)
@@ -143,11 +148,14 @@ class OServePlanner:
         same = tuple(sorted(best.shapes())) == tuple(sorted(old.shapes()))
         if same or best_score >= cur_score * (1 - cfg.switch_gain):
             return self._keep(old, rates, "rescored", scored_at)
-        return self._switch(old, best, rates, span_s, scored_at)
+        return self._switch(old, best, rates, span_s, scored_at, held)
 
     def _switch(self, old: Deployment, best: Deployment, rates: np.ndarray, span_s: float,
-                scored_at: tuple[float, ...]) -> Decision:
-        """Move from `old` to `best` unless the switch costs too much of the span's capacity."""
+                scored_at: tuple[float, ...], held: int = 1) -> Decision:
+        """Move from `old` to `best` unless the switch costs too much: more of the capacity than
+        `max_switch_loss_frac` of the demand of the `held` spans the mix has lasted. A mix that held
+        for h spans is expected to hold about as long again, so a switch put off for one span's gain is
+        taken once the gain of the spans it has held pays for it (`Decision.deferred_spans`)."""
         ctx, cfg = self.ctx, self.config
         target = stabilize(old, best, ctx.cluster)
         switch_s = 0.0
@@ -157,8 +165,8 @@ class OServePlanner:
             new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
             lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas)
                        if (r.shape, r.gpu_ids) not in new_keys)
-            if lost * switch_s > cfg.max_switch_loss_frac * float(rates.sum()) * span_s:
-                return self._keep(old, rates, "keep", scored_at)
+            if lost * switch_s > cfg.max_switch_loss_frac * float(rates.sum()) * span_s * held:
+                return self._keep(old, rates, "keep", scored_at, deferred_spans=held)
         a_t, n_t = served(ctx.table, target, rates)
         return Decision(target, weights_for(a_t, n_t), switch_s, tuple(rates), "switch",
                         drain_retired=cfg.free_switching, scored_rps=scored_at)
