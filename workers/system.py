@@ -72,9 +72,10 @@ class SystemConfig:
     False: the capacity model alone decides."""
     max_twin_scores: int | None = 4
     """Twin scorings per decision (`PlannerConfig.max_twin_scores`): what keeps a decision inside the
-    scheduler's budget of a tenth of a span. A scoring of a span of the demo's workload takes about
-    0.1 s here; the demo's span is 2 wall seconds (60 s at 30x), so four fit its 0.2 s budget only
-    roughly, and each strategy event says how long its decision took. None: no limit."""
+    scheduler's budget of a tenth of a span. In the demo (Llama-2-70B on 8 GPUs, 10 requests/s, a span
+    of 3 wall seconds at 20x, so a 0.3 s budget) a rescoring with four took 0.20-0.43 s on this
+    machine, over the budget in 0-2 of 18 decisions while the LSTM trained on the other core; each
+    strategy event says how long its decision took. None: no limit."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""

@@ -157,7 +157,9 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         "misclassified_frac": float(np.mean([f.misclassified_frac for f in forecasts])) if forecasts else 0.0,
         "decide_wall_s": {"median": float(np.median(decide)), "max": float(decide.max()),
                           "budget": strategies[0].budget_wall_s if strategies else 0.0,
-                          "over_budget": int(sum(s.decide_wall_s > s.budget_wall_s for s in strategies))},
+                          "over_budget": int(sum(s.decide_wall_s > s.budget_wall_s for s in strategies)),
+                          "max_by_label": {label: max(s.decide_wall_s for s in strategies if s.label == label)
+                                           for label in sorted({s.label for s in strategies})}},
         "deployments": sorted({" + ".join(str(shape) for shape in _shapes(s)) for s in record["strategies"]}),
         "decisions": dict(Counter(s.label for s in record["strategies"])),
         "spans": [{"span_index": f.span_index, "observed_counts": f.observed_counts,
