@@ -188,6 +188,9 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         t.add_row(key, *(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells))
     console_out = out_console()
     console_out.print(t)
+    if result["error_codes"]:
+        console_out.print(f"Errors by code: {result['error_codes']} (invalid: input plus max tokens over the "
+                          f"model's context window, refused as vLLM refuses them).")
     if static:
         console_out.print(f"P99 static / OServe: {summary['p99_ratio_static_over_oserve']:.2f} "
                           f"(static: {summary['static']['deployment']})")
