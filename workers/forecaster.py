@@ -7,8 +7,8 @@ true type differs from the class they were routed as. One re-plan's trace starts
 
 The forecast comes from `oserve.forecast.gate.GatedForecaster`: last value, or an LSTM
 (`oserve.forecast.lstm`) while it beats last value on the recent spans. The LSTM is trained on a
-thread of its own (never on the event loop), first on the history the system starts from, then again
-every `retrain_every_spans` spans on what the stage has counted since; each trained network is put in
+thread of its own (never on the event loop), first once the history the system starts from and the
+spans counted since hold enough spans, then again every `retrain_every_spans` spans; each trained network is put in
 the JetStream object store with the class names and the last span it learned, so a restarted stage
 loads it instead of training again, and re-learns only the spans after it (from the arrivals stream).
 """
@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,18 +111,25 @@ class ForecasterStage(Worker):
         try:
             data = json.loads((await self.store.get(Subjects.FORECASTER_OBJECT)).data or b"{}")
             saved = forecaster_from_dict(data.get("forecaster"), "the saved forecaster")
+            meta = dict(data["meta"])
+            learned_through = int(meta["last_span_index"])
+            saved_at = (float(meta["saved_unix_s"]), float(meta["saved_clock_s"]))
         except ObjectNotFoundError:
             return
-        except (ValueError, OServeError) as exc:  # unreadable: train again rather than fail
+        except (ValueError, TypeError, KeyError, AttributeError, OServeError) as exc:  # unreadable: train again
             log.warning("forecaster: ignoring the saved LSTM: %s", exc)
             return
-        meta = data.get("meta", {})
         if tuple(meta.get("class_names", ())) != self.class_names or meta.get("span_s") != self.config.span_s \
-                or saved.kind != challenger.kind or saved.k != challenger.k:
-            log.info("forecaster: the saved LSTM is for other classes or spans (%s); training anew", meta)
+                or saved.kind != challenger.kind or saved.params() != challenger.params():
+            log.info("forecaster: the saved LSTM is for other classes, spans or settings (%s); training anew", meta)
             return
+        # its spans are spans of the clock it was saved on: this clock must read what that one would now
+        expected_s = saved_at[1] + (time.time() - saved_at[0]) * self.clock.speedup
+        if abs(self.clock.now_s() - expected_s) > self.config.span_s:
+            log.info("forecaster: the saved LSTM was saved on another clock; it learns every span from here")
+            learned_through = -1
         self.forecaster.challenger = saved
-        self._learned_through = int(meta.get("last_span_index", -1))
+        self._learned_through = learned_through
         self.loaded_from_store = True
         log.info("forecaster: loaded the saved LSTM (learned through span %d)", self._learned_through)
 
@@ -131,7 +139,8 @@ class ForecasterStage(Worker):
             return
         last = self._emitted if self._emitted is not None else -1
         data = {"meta": {"class_names": list(self.class_names), "span_s": self.config.span_s,
-                         "last_span_index": last}, "forecaster": challenger.to_dict()}
+                         "last_span_index": last, "saved_unix_s": time.time(), "saved_clock_s": self.clock.now_s()},
+                "forecaster": challenger.to_dict()}
         await self.store.put(Subjects.FORECASTER_OBJECT, json.dumps(data, separators=(",", ":")).encode())
 
     async def _subscribe(self) -> list:
@@ -236,7 +245,7 @@ class ForecasterStage(Worker):
         del self.history[:-self.config.max_history_spans]
         self._observe_span(counts, span)
         rates = self.forecaster.rates_rps()
-        if self.forecaster.retrain_job() is not None:
+        if self.forecaster.needs_retrain():
             self._retrain.set()
         wrong, total = self._misclassified
         self._misclassified = [0, 0]

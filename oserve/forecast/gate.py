@@ -1,13 +1,16 @@
 """A challenger forecaster (the LSTM) put in force only while it beats a baseline on recent spans. Pure.
 
-No clock, no threads, no files: the live forecaster stage and the simulator drive it alike.
+No clock, no threads, no files. The live forecaster stage drives it; the simulator's OServe policy
+forecasts by `oserve.forecast.rates.RateForecaster` (last value by default, `EvalConfig.forecaster`).
 
 Every span, before learning the counts that just closed, both forecasters' forecasts for that span
-(made one span earlier) are scored against them; the last `window_spans` scores of each are kept. The
-challenger is *in force* (its forecast is the one returned) once it has been scored on at least
-`min_scored_spans` of those spans and its relative RMSE over them is below the baseline's by
-`margin_frac`; otherwise the baseline answers. Both are always scored, so a challenger that falls
-behind is retired at the next span and one that catches up is put back.
+(made before it closed) are scored against them; the scores of the last `window_spans` spans are kept.
+The challenger is *in force* (its forecast is the one returned) once both forecasters have been scored
+on at least `min_scored_spans` of those spans and, over exactly those spans, the challenger's relative
+RMSE is below the baseline's by `margin_frac`; otherwise the baseline answers. Both are always
+scored, so a challenger that falls behind is retired at the next span and one that catches up is put
+back; comparing them only on the spans both forecast keeps a challenger that became ready late from
+being judged on easier spans than the baseline.
 
 Retraining is the caller's (a trained challenger's `needs_retrain` / `prepare_retrain` / `install`, see
 `oserve.forecast.lstm`): `retrain_job()` hands out the snapshot to train on, `install()` swaps the
@@ -58,9 +61,12 @@ class GatedForecaster:
         self.baseline, self.challenger, self.config = baseline, challenger, config
         self.span_s = float(span_s)
         self._last: np.ndarray | None = None
-        # per forecaster kind: (forecast for the coming span or None, deque of (squared error sum, actual sum, n))
-        self._pending: dict[str, np.ndarray | None] = {}
-        self._scores: dict[str, deque[tuple[float, float, int]]] = {}
+        self._pending: dict[str, np.ndarray | None] = {}  # kind -> its forecast of the span now open
+        # one entry per closed span: kind -> (squared error summed over classes, actual count summed) of
+        # each forecaster that had forecast it
+        self._spans: deque[dict[str, tuple[float, float]]] = deque(maxlen=config.window_spans)
+        for f in self._members():  # a forecaster fitted before it is handed over forecasts the first span
+            self._pending[f.kind] = f.forecast() if f.ready else None
 
     @property
     def k(self) -> int:
@@ -75,32 +81,43 @@ class GatedForecaster:
         row = np.asarray(counts, dtype=float)
         if row.shape != (self.k,):
             raise ConfigError(f"GatedForecaster.observe: needs {self.k} counts, got shape {row.shape}")
+        scored = {}
         for f in self._members():
             predicted = self._pending.get(f.kind)
             if predicted is not None:
-                scores = self._scores.setdefault(f.kind, deque(maxlen=self.config.window_spans))
-                scores.append((float(np.sum((predicted - row) ** 2)), float(row.sum()), len(row)))
+                scored[f.kind] = (float(np.sum((predicted - row) ** 2)), float(row.sum()))
             f.learn_one(row)
             self._pending[f.kind] = f.forecast() if f.ready else None
+        self._spans.append(scored)
         self._last = row
 
+    def _rrmse(self, kind: str, spans: list[dict[str, tuple[float, float]]]) -> float:
+        """Relative RMSE (`oserve.forecast.metrics.rrmse`) of `kind` over `spans`, pooled over the classes."""
+        if not spans:
+            return math.nan
+        sq = sum(sp[kind][0] for sp in spans)
+        total = sum(sp[kind][1] for sp in spans)
+        n = len(spans) * self.k
+        return math.sqrt(sq / n) / (total / n) if total > 0 else math.nan
+
     def recent_rrmse(self) -> dict[str, float]:
-        """Relative RMSE of each forecaster over its scored recent spans (NaN before any, or when nothing
-        arrived in them). Pure."""
-        out = {}
-        for f in self._members():
-            scores = self._scores.get(f.kind, ())
-            sq, total, n = (sum(x[i] for x in scores) for i in range(3))
-            out[f.kind] = math.sqrt(sq / n) / (total / n) if n and total > 0 else math.nan
-        return out
+        """Relative RMSE of each forecaster over the recent spans it forecast (NaN before any, or when
+        nothing arrived in them). Pure."""
+        return {f.kind: self._rrmse(f.kind, [sp for sp in self._spans if f.kind in sp]) for f in self._members()}
+
+    def _head_to_head(self) -> tuple[int, float, float]:
+        """(spans both forecast, the challenger's and the baseline's relative RMSE over them). Pure."""
+        c, b = self.challenger, self.baseline
+        assert c is not None
+        both = [sp for sp in self._spans if c.kind in sp and b.kind in sp]
+        return len(both), self._rrmse(c.kind, both), self._rrmse(b.kind, both)
 
     def _challenger_in_force(self) -> bool:
         c = self.challenger
-        if c is None or not c.ready or len(self._scores.get(c.kind, ())) < self.config.min_scored_spans:
+        if c is None or not c.ready:
             return False
-        errors = self.recent_rrmse()
-        ce, be = errors[c.kind], errors[self.baseline.kind]
-        if math.isnan(ce):
+        n, ce, be = self._head_to_head()
+        if n < self.config.min_scored_spans or math.isnan(ce):
             return False
         return math.isnan(be) or ce < be * (1.0 - self.config.margin_frac)
 
@@ -122,11 +139,11 @@ class GatedForecaster:
             return ""
         if not c.ready:
             return f"{c.kind} not trained yet"
-        scored = len(self._scores.get(c.kind, ()))
-        if scored < self.config.min_scored_spans:
-            return f"{c.kind} scored on {scored} of the {self.config.min_scored_spans} spans it needs"
-        e = self.recent_rrmse()
-        return f"{c.kind} relative RMSE {e[c.kind]:.3f} does not beat {self.baseline.kind}'s {e[self.baseline.kind]:.3f}"
+        n, ce, be = self._head_to_head()
+        if n < self.config.min_scored_spans:
+            return f"{c.kind} scored on {n} of the {self.config.min_scored_spans} spans it needs"
+        return (f"{c.kind} relative RMSE {ce:.3f} does not beat {self.baseline.kind}'s {be:.3f} over the last "
+                f"{n} spans")
 
     def rates_rps(self) -> np.ndarray:
         """Forecast per-class rates of the next span, finite and >= 0. Pure.
@@ -147,15 +164,19 @@ class GatedForecaster:
 
     # --- retraining, by the caller -----------------------------------------------------------------
 
+    def needs_retrain(self) -> bool:
+        """Whether the challenger asks to be retrained now. Pure."""
+        c = self.challenger
+        return c is not None and hasattr(c, "prepare_retrain") and c.needs_retrain()
+
     def retrain_job(self):
         """The challenger's training snapshot when it asks to be retrained (None otherwise). Pure."""
-        c = self.challenger
-        if c is None or not c.needs_retrain() or not hasattr(c, "prepare_retrain"):
-            return None
-        return c.prepare_retrain()
+        return self.challenger.prepare_retrain() if self.needs_retrain() else None  # type: ignore[union-attr]
 
     def install(self, trained) -> None:
-        """Swap a trained network into the challenger; its next forecast is scored from the next span."""
-        assert self.challenger is not None and hasattr(self.challenger, "install")
-        self.challenger.install(trained)
-        self._pending[self.challenger.kind] = None  # the old network's forecast is not the new one's
+        """Swap a trained network into the challenger. Its forecast of the span now open is made at once
+        (before that span closes), so the new network is scored from that span on."""
+        c = self.challenger
+        assert c is not None and hasattr(c, "install")
+        c.install(trained)
+        self._pending[c.kind] = c.forecast() if c.ready else None
