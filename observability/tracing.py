@@ -12,7 +12,7 @@ Workers take a `Tracer | None`: None means no spans at all (the fast path), but 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal, Mapping, get_args
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -31,7 +31,7 @@ TRACESTATE = "tracestate"
 _propagator = TraceContextTextMapPropagator()
 
 Exporter = Literal["none", "console", "otlp", "memory", "file"]
-EXPORTERS = ("none", "console", "otlp", "memory", "file")
+EXPORTERS: tuple[str, ...] = get_args(Exporter)
 
 
 @dataclass(frozen=True, slots=True)

@@ -646,3 +646,17 @@ def test_the_gateway_learns_from_completions_with_what_it_classed_by(server) -> 
     after = asyncio.run(asyncio.wait_for(main(), 60))
     assert before["clientA"] == before["clientB"]  # nothing learned of either client yet
     assert after["clientB"] > 10 * after["clientA"], after
+
+
+def test_the_gateway_learns_by_at_most_max_client_tags_tags(server) -> None:
+    """A client minting a new tag per request cannot grow the estimator: tags past the cap are untagged."""
+    async def main() -> list:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, _, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                             gateway_kwargs={"max_client_tags": 3})
+            for i in range(6):
+                await client.submit(input_tokens=50, max_tokens=5, request_id=f"m{i}", tags={"client": f"c{i}"})
+            return [gw._known_tag(f"c{i}") for i in range(7)]
+
+    tags = asyncio.run(asyncio.wait_for(main(), 30))
+    assert tags[:3] == ["c0", "c1", "c2"] and tags[3:] == [None] * 4

@@ -330,6 +330,13 @@ def test_a_decision_scores_at_most_its_budget_and_is_the_same_with_a_budget_it_d
     want, all_calls = counted(unlimited)
     got, calls = counted(limited)
     assert len(calls) <= budget
+    first_calls = []
+    real = limited.twin.score
+    limited.twin.score = lambda *a, **kw: first_calls.append(1) or real(*a, **kw)
+    assert limited.plan(rates, None, None, 60.0) == first  # the first decision (before serving) has no limit
+    limited.twin.score = real
+    if budget < 5:
+        assert len(first_calls) > budget
     assert calls[0].shapes() == first.deployment.shapes()  # what runs now is scored first
     if len(all_calls) <= budget:
         assert got == want

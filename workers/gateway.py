@@ -84,9 +84,12 @@ class GatewayConfig:
     """Dispatches of one request before it is answered with an error."""
     max_pending: int = 200_000
     """Requests this gateway owns at once (forwarded, not yet completed); beyond it new ones are refused."""
+    max_client_tags: int = 256
+    """Distinct `client` tags the estimator learns by (each one is a feature of its regressor); requests
+    with a tag beyond them are classed as untagged, so a client minting tags cannot grow the model."""
 
     def __post_init__(self) -> None:
-        for name in ("max_context_tokens", "max_attempts", "max_pending"):
+        for name in ("max_context_tokens", "max_attempts", "max_pending", "max_client_tags"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s"):
@@ -164,6 +167,7 @@ class Gateway(Worker):
         self._heartbeat_read_gap_s = 0.0  # longest gap between heartbeat reads since the last liveness check
         self.strategy_id = ""
         self._strategy_links: list[trace.Link] = []  # span links to the switch of the assignment in force
+        self._client_tags: set[str] = set()  # client tags the estimator learns by (at most max_client_tags)
         # counters
         self.num_accepted = 0
         self.num_rejected = 0
@@ -286,6 +290,15 @@ class Gateway(Worker):
             r.sent_tokens += p.dispatch.input_tokens + p.est_output_tokens // 2
             r.sent_requests += 1
 
+    def _known_tag(self, tag: str | None) -> str | None:
+        """The tag the estimator may learn by: one already known, or a new one while there is room."""
+        if tag is None or tag in self._client_tags:
+            return tag
+        if len(self._client_tags) >= self.config.max_client_tags:
+            return None
+        self._client_tags.add(tag)
+        return tag
+
     def _classify(self, input_tokens: int, max_tokens: int | None, hint_tokens: int | None,
                   tag: str | None) -> tuple[int, int]:
         """(class, estimated output tokens) of an arrival, from what the gateway knows of it now."""
@@ -343,7 +356,7 @@ class Gateway(Worker):
                                    f"{req.max_tokens or 'at least 1'} more")
                 return
             max_tokens = int(cap)
-            tag = req.tags.get(CLIENT_TAG)
+            tag = self._known_tag(req.tags.get(CLIENT_TAG))
             type_index, est = self._classify(input_tokens, req.max_tokens, req.output_hint_tokens, tag)
             if span is not None:
                 span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,

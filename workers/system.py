@@ -74,14 +74,15 @@ class SystemConfig:
     """Twin scorings per decision (`PlannerConfig.max_twin_scores`): what keeps a decision inside the
     scheduler's budget of a tenth of a span. In the demo (Llama-2-70B on 8 GPUs, 10 requests/s, a span
     of 3 wall seconds at 20x, so a 0.3 s budget) a rescoring with four took 0.20-0.43 s on this
-    machine, over the budget in 0-2 of 18 decisions while the LSTM trained on the other core; each
+    machine, over the budget in 0-2 of 18 decisions (the LSTM trains on a thread meanwhile); each
     strategy event says how long its decision took. None: no limit."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""
     lstm_lookback_spans: int = 8
-    """Spans the live LSTM looks back over. The paper's 50 needs hours of one-minute spans before the first
-    training; 8 lets the LSTM train on the first quarter-hour the system starts from."""
+    """Spans the live LSTM looks back over; it first trains once twice as many spans are known (the
+    history's and the live ones). The paper's 50 needs hours of one-minute spans before the first
+    training; with 8 the demo's LSTM (10 minutes of history) first trains after 6 live spans."""
     lstm_retrain_every_spans: int = 5
     """The live LSTM is fine-tuned (on a thread) every this many spans, on all it has counted."""
     engine_start_s: float = ENGINE_START_S

@@ -68,7 +68,7 @@ def demo(
         raise ConfigError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     out.mkdir(parents=True, exist_ok=True)
     if simulated:
-        summary = _simulated(model, gpus, minutes, history_minutes, load, out, show=not json_out)
+        summary = _simulated(workload, model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
         summary = _live(model, gpus, workload, minutes, history_minutes, speedup, load, static, otlp_endpoint, out,
                         view and not json_out, show=not json_out)
@@ -106,11 +106,12 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     import numpy as np
 
     from oserve.cli.live_cmds import _system_config
-    from oserve.cli.sim_cmds import out_console
+    from oserve.cli.sim_cmds import _json_safe, out_console
     from oserve.evaluation.compare import EvalConfig, choose_static
     from oserve.observability.tracing import TracingConfig
     from oserve.streams.server import NatsServer
     from oserve.streams.subjects import Subjects
+    from oserve.workers.switch_planner import deployment_of
     from oserve.workers.system import planning_inputs
 
     console = Console(stderr=True)
@@ -160,7 +161,8 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
                           "over_budget": int(sum(s.decide_wall_s > s.budget_wall_s for s in strategies)),
                           "max_by_label": {label: max(s.decide_wall_s for s in strategies if s.label == label)
                                            for label in sorted({s.label for s in strategies})}},
-        "deployments": sorted({" + ".join(str(shape) for shape in _shapes(s)) for s in record["strategies"]}),
+        "deployments": sorted({" + ".join(str(shape) for shape in sorted(deployment_of(s.replicas).shapes()))
+                               for s in record["strategies"]}),
         "decisions": dict(Counter(s.label for s in record["strategies"])),
         "spans": [{"span_index": f.span_index, "observed_counts": f.observed_counts,
                    "forecast_rps": [round(x, 3) for x in f.forecast_rps], "forecaster": f.forecaster,
@@ -176,6 +178,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         summary["static"]["chosen_on_history_p99_s"] = tried
         summary["p99_ratio_static_over_oserve"] = sres["p99_s"] / result["p99_s"] if result["p99_s"] > 0 else float("nan")
     summary["seconds"] = time.perf_counter() - start
+    summary = _json_safe(summary)  # NaN (a run that answered nothing) is not JSON
     if not show:
         return summary
     t = Table(title="oserve demo: the live pipeline")
@@ -192,7 +195,8 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         console_out.print(f"Errors by code: {result['error_codes']} (invalid: input plus max tokens over the "
                           f"model's context window, refused as vLLM refuses them).")
     if static:
-        console_out.print(f"P99 static / OServe: {summary['p99_ratio_static_over_oserve']:.2f} "
+        ratio = summary["p99_ratio_static_over_oserve"]
+        console_out.print(f"P99 static / OServe: {'n/a' if ratio is None else f'{ratio:.2f}'} "
                           f"(static: {summary['static']['deployment']})")
     console_out.print(f"Forecaster in force at the end: {summary['forecaster_in_force']} "
                       f"{summary['forecaster_note']}; decisions took {summary['decide_wall_s']['median']:.2f} s "
@@ -200,12 +204,6 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     console_out.print(f"Latencies are on the pipeline's clock ({speedup:g}x wall time). Report: {out}/ (latency_cdf.png, "
                       f"deployment.png, rates.png, summary.json, traces).")
     return summary
-
-
-def _shapes(strategy) -> list:
-    from oserve.specs import ReplicaShape
-
-    return sorted(ReplicaShape(r.tp, r.pp) for r in strategy.replicas)
 
 
 async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, console: Console):
@@ -326,7 +324,7 @@ def _live_report(records: dict[str, dict], config, gpus: int, out: Path) -> None
                                   "Live pipeline: per-class rates and forecast")
 
 
-def _simulated(model: str, gpus: int, minutes: float, history_minutes: float, load: float, out: Path,
+def _simulated(workload: str, model: str, gpus: int, minutes: float, history_minutes: float, load: float, out: Path,
                show: bool) -> dict:
     from oserve.cli.sim_cmds import _json_safe, _run, _table, out_console
     from oserve.evaluation.registry import POLICY_NAMES
@@ -334,9 +332,9 @@ def _simulated(model: str, gpus: int, minutes: float, history_minutes: float, lo
 
     console = Console(stderr=True)
     start = time.perf_counter()
-    scenario, comparison, cluster = _run("azure-conv", model, gpus, POLICY_NAMES, load, minutes, 60.0, 0, console,
+    scenario, comparison, cluster = _run(workload, model, gpus, POLICY_NAMES, load, minutes, 60.0, 0, console,
                                          history_minutes=history_minutes)
-    report.latency_cdf(comparison.results, out / "latency_cdf.png", "azure-conv: latency per policy")
+    report.latency_cdf(comparison.results, out / "latency_cdf.png", f"{workload}: latency per policy")
     oserve = comparison.results["oserve"]
     names = comparison.prior.class_names
     report.deployment_timeline(oserve.spans, cluster.num_gpus, out / "deployment.png", "OServe's deployment over time")
@@ -346,7 +344,7 @@ def _simulated(model: str, gpus: int, minutes: float, history_minutes: float, lo
     if show:
         out_console().print(_table(comparison, scenario))
     return _json_safe({
-        "mode": "simulated", "model": model, "gpus": gpus, "minutes": minutes, "load": load,
+        "mode": "simulated", "workload": workload, "model": model, "gpus": gpus, "minutes": minutes, "load": load,
         "requests": s["requests"], "answered": s["finished"], "refused": s["refused"], "unfinished": s["dropped"],
         "switches": s["switches"], "p99_s": s["p99_e2e_s"], "p99_ttft_s": s["p99_ttft_s"],
         "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,

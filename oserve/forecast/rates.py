@@ -1,7 +1,8 @@
 """Per-class request rates for the next span, from any forecaster of span counts. Pure (no clock).
 
-The simulator's policies and the live forecaster stage drive forecasters through this one adapter:
-feed each span's counts as it closes (`observe`), ask for the next span's rates (`rates_rps`).
+The simulator's policies drive forecasters through this adapter: feed each span's counts as it closes
+(`observe`), ask for the next span's rates (`rates_rps`). The live forecaster stage uses
+`oserve.forecast.gate.GatedForecaster`, which has the same two verbs and trains its LSTM off the loop.
 Until the forecaster is ready, the last observed span's rates stand in (and `source` says so).
 """
 

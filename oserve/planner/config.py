@@ -60,8 +60,10 @@ class PlannerConfig:
     max_twin_scores: int | None = None
     """At most this many twin scorings per decision after the first (the candidates in their order — what
     runs now first — then the neighbours); None: no limit. It is how a decision is held to a time
-    budget: a count, not a clock, so a decision stays the same in the simulator and live, on any
-    machine (the live scheduler measures the time it took and publishes it)."""
+    budget: a count, not a clock, so the same inputs and config give the same decision on any machine,
+    in the simulator or live (the live system sets 4, `oserve.workers.system.SystemConfig`; the
+    simulator's OServe has no limit unless `EvalConfig.planner` sets one). The MILP solves that build
+    the candidates are not counted; the live scheduler measures the whole decision and publishes it."""
     min_served_gain_frac: float = 0.01
     """Capacity model only: switch to serve more only when the new plan serves this fraction more."""
     busy_peak_utilisation: float = 0.8

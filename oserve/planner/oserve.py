@@ -184,6 +184,8 @@ class OServePlanner:
         placed: dict[Multiset, tuple[Deployment, Weights]] = {}
 
         def score(shapes: Multiset) -> float | None:
+            if budget[0] == 0 and shapes not in known:
+                return None  # out of budget: left unscored (and not even placed)
             try:
                 dep = place(list(shapes), ctx.cluster)
             except (ConfigError, InfeasibleError):
@@ -194,8 +196,6 @@ class OServePlanner:
             placed[shapes] = (dep, weights_for(a, n))
             if shapes in known:
                 return known[shapes]
-            if budget[0] == 0:
-                return None  # out of budget: left unscored
             budget[0] -= 1
             return self.twin.score(dep, placed[shapes][1], rates, recent, long=long)
 
