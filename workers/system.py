@@ -73,9 +73,9 @@ class SystemConfig:
     max_twin_scores: int | None = 4
     """Twin scorings per decision (`PlannerConfig.max_twin_scores`): what keeps a decision inside the
     scheduler's budget of a tenth of a span. In the demo (Llama-2-70B on 8 GPUs, 10 requests/s, a span
-    of 3 wall seconds at 20x, so a 0.3 s budget) a rescoring with four took 0.20-0.43 s on this
-    machine, over the budget in 0-2 of 18 decisions (the LSTM trains on a thread meanwhile); each
-    strategy event says how long its decision took. None: no limit."""
+    of 3 wall seconds at 20x, so a 0.3 s budget) the slowest rescoring with four took 0.42-0.46 s on
+    this machine, over the budget in 1 of 18 decisions (the three MILP solves that build the candidates
+    are not counted); each strategy event says how long its decision took. None: no limit."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""
