@@ -82,6 +82,17 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
         assert summary["lost"] == 0
         # only requests beyond the model's context window are refused (llama2-70b: 4096 tokens)
         assert set(summary["error_codes"]) <= {"invalid"}
+        # the same replay against the static deployment, in the same run
+        static = summary["static"]
+        assert static["requests"] == summary["requests"] and static["lost"] == 0 and static["switches"] == 0
+        assert summary["p99_ratio_static_over_oserve"] == pytest.approx(static["p99_s"] / summary["p99_s"])
+        assert summary["forecaster_in_force"] in ("last_value", "lstm", "last_span")
+        assert summary["spans"] and all(sp["forecaster"] for sp in summary["spans"])
+        assert summary["decide_wall_s"]["budget"] > 0 and "initial" in summary["decisions"]
+        spans = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+        services = {a["value"]["stringValue"] for line in spans for rs in line["resourceSpans"]
+                    for a in rs["resource"]["attributes"] if a["key"] == "service.name"}
+        assert services == {"oserve", "oserve-static"}
     else:
         assert summary["answered"] + summary["refused"] + summary["unfinished"] == summary["requests"] > 0
     for name in ("latency_cdf.png", "deployment.png", "rates.png", "summary.json"):
