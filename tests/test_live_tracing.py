@@ -22,6 +22,19 @@ def server():
     yield from running_server()
 
 
+async def traced_gateway(stack: AsyncExitStack, url: str, tracer):
+    """A traced gateway and one traced engine on fresh subjects: (connection, subjects, gateway, client)."""
+    subjects = unique_subjects()
+    nc = await nats.connect(url)
+    stack.push_async_callback(nc.close)
+    clock = Clock(speedup=50)
+    await stack.enter_async_context(EngineWorker(
+        nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer))
+    gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock, tracer=tracer))
+    await gw.wait_for_replicas(1, 5)
+    return nc, subjects, gw, OServeClient(nc, subjects, tracer=tracer)
+
+
 def test_inject_copies_headers_and_round_trips() -> None:
     setup = setup_tracing(TracingConfig(exporter="memory"))
     span = setup.tracer.start_span("x")
@@ -51,15 +64,7 @@ def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
-            subjects = unique_subjects()
-            nc = await nats.connect(server.url)
-            stack.push_async_callback(nc.close)
-            clock = Clock(speedup=50)
-            await stack.enter_async_context(EngineWorker(
-                nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer))
-            gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock, tracer=tracer))
-            await gw.wait_for_replicas(1, 5)
-            client = OServeClient(nc, subjects, tracer=tracer)
+            nc, subjects, gw, client = await traced_gateway(stack, server.url, tracer)
             for i in range(3):
                 await client.submit(input_tokens=100, max_tokens=10, request_id=f"t{i}", timeout_s=5)
             with pytest.raises(RequestRejected):
@@ -95,15 +100,7 @@ def test_a_request_span_links_to_the_switch_that_put_its_assignment_in_force(ser
 
     async def main() -> None:
         async with AsyncExitStack() as stack:
-            subjects = unique_subjects()
-            nc = await nats.connect(server.url)
-            stack.push_async_callback(nc.close)
-            clock = Clock(speedup=50)
-            await stack.enter_async_context(EngineWorker(
-                nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05), clock, tracer=tracer))
-            gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock, tracer=tracer))
-            await gw.wait_for_replicas(1, 5)
-            client = OServeClient(nc, subjects, tracer=tracer)
+            nc, subjects, gw, client = await traced_gateway(stack, server.url, tracer)
             await client.submit(input_tokens=100, max_tokens=10, request_id="before", timeout_s=5)
             with tracer.start_as_current_span("switch.execute") as switch:
                 await nc.publish(subjects.plan_event("assignment"),
