@@ -11,9 +11,10 @@ switches made, and writes a report folder.
 
 The default workload, `shift`, is the paper's kind of shifting mix built from real requests (the
 bundled Azure conversation trace's lengths): short prompts, then long prompts, then short again
-(`oserve.evaluation.scenarios.SHIFT_MIXES`), at 0.8 of the capacity of each phase's best homogeneous
-deployment. `--workload azure-conv` replays the bundled hour itself, unscaled. `--simulated` instead
-runs the same method and its baselines in the offline simulator, side by side.
+(`oserve.evaluation.scenarios.SHIFT_MIXES`), at 0.8 of the least of its phases' best homogeneous
+capacities. `--workload azure-conv` replays the bundled hour itself, unscaled. `--simulated` instead
+runs OServe's planner and the baselines on the workload in the offline simulator, side by side (there
+OServe forecasts by last value and scores without a limit on twin scorings).
 """
 
 from __future__ import annotations
