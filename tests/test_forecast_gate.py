@@ -150,6 +150,18 @@ def test_a_late_challenger_is_judged_only_on_the_spans_both_forecast() -> None:
     assert "does not beat" in gate.why_not_challenger()
 
 
+def test_a_span_the_challenger_learned_already_is_neither_taught_nor_scored_again() -> None:
+    challenger = MovingAverage(2, window_spans=2)
+    gate = GatedForecaster(LastValue(2), SPAN_S, challenger=challenger)
+    gate.observe(np.array([10.0, 10.0]))
+    gate.observe(np.array([20.0, 20.0]), learned_by=("moving_average",))
+    assert challenger.num_spans == 1 and gate.baseline.num_spans == 2
+    # last value was scored on the second span, the moving average was not
+    assert [sorted(sp) for sp in gate._spans] == [[], ["last_value"]]
+    gate.observe(np.array([30.0, 30.0]))  # both forecast this one, after the skipped span
+    assert sorted(gate._spans[-1]) == ["last_value", "moving_average"]
+
+
 def test_not_ready_and_bad_input_are_explicit() -> None:
     gate = GatedForecaster(LastValue(2), SPAN_S, challenger=MovingAverage(2))
     with pytest.raises(ForecastNotReady):

@@ -222,10 +222,9 @@ class ForecasterStage(Worker):
 
     def _observe_span(self, counts: np.ndarray, span: int) -> None:
         """Feed a closed span to the forecasters; a loaded LSTM skips the spans it learned before it was saved."""
-        if span <= self._learned_through and self.forecaster.challenger is not None:
-            self.forecaster.baseline.learn_one(np.asarray(counts, dtype=float))
-            return
-        self.forecaster.observe(counts)
+        challenger = self.forecaster.challenger
+        learned = (challenger.kind,) if challenger is not None and span <= self._learned_through else ()
+        self.forecaster.observe(counts, learned_by=learned)
 
     async def emit(self, span: int) -> ForecastMade:
         """Close span `span`: record its counts, forecast the next one, publish the event."""

@@ -75,18 +75,21 @@ class GatedForecaster:
     def _members(self) -> list[Forecaster]:
         return [f for f in (self.baseline, self.challenger) if f is not None]
 
-    def observe(self, counts: np.ndarray) -> None:
+    def observe(self, counts: np.ndarray, *, learned_by: tuple[str, ...] = ()) -> None:
         """One more span has closed with these per-class counts: score the forecasts made for it, learn it,
-        and forecast the next one (for scoring then)."""
+        and forecast the next one (for scoring then). Forecasters whose kind is in `learned_by` learned
+        this span already (a network saved after it, reloaded): they are neither scored nor taught it
+        again, and only forecast the next span."""
         row = np.asarray(counts, dtype=float)
         if row.shape != (self.k,):
             raise ConfigError(f"GatedForecaster.observe: needs {self.k} counts, got shape {row.shape}")
         scored = {}
         for f in self._members():
-            predicted = self._pending.get(f.kind)
-            if predicted is not None:
-                scored[f.kind] = (float(np.sum((predicted - row) ** 2)), float(row.sum()))
-            f.learn_one(row)
+            if f.kind not in learned_by:
+                predicted = self._pending.get(f.kind)
+                if predicted is not None:
+                    scored[f.kind] = (float(np.sum((predicted - row) ** 2)), float(row.sum()))
+                f.learn_one(row)
             self._pending[f.kind] = f.forecast() if f.ready else None
         self._spans.append(scored)
         self._last = row
