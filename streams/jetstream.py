@@ -26,7 +26,7 @@ from oserve.streams.subjects import Subjects
 
 @dataclass(frozen=True, slots=True)
 class StreamLimits:
-    """Retention of the event streams."""
+    """Retention and replication of the event streams and buckets."""
 
     max_age_s: float = 7 * 24 * 3600.0
     """Events older than this are dropped (seconds)."""
@@ -34,16 +34,22 @@ class StreamLimits:
     """Bytes kept per stream."""
     duplicate_window_s: float = 120.0
     """Window in which a repeated `Nats-Msg-Id` is stored once (seconds)."""
+    num_replicas: int = 1
+    """Servers that hold a copy of each stream and bucket: 1 for one server, 3 on a 3-node cluster (a
+    JetStream stream cannot have more replicas than the cluster has servers; 5 at most)."""
 
     def __post_init__(self) -> None:
         if self.max_age_s <= 0 or self.max_bytes <= 0 or self.duplicate_window_s <= 0:
             raise ConfigError(f"StreamLimits must be positive, got {self}")
+        if not 1 <= self.num_replicas <= 5:
+            raise ConfigError(f"StreamLimits.num_replicas must be in 1..5, got {self.num_replicas}")
 
 
 def stream_configs(subjects: Subjects, limits: StreamLimits = StreamLimits()) -> list[StreamConfig]:
     """The stream definitions for `subjects`. Pure."""
     common = dict(storage=StorageType.FILE, max_age=limits.max_age_s, max_bytes=limits.max_bytes,
-                  max_msg_size=MAX_MESSAGE_BYTES, duplicate_window=limits.duplicate_window_s)
+                  max_msg_size=MAX_MESSAGE_BYTES, duplicate_window=limits.duplicate_window_s,
+                  num_replicas=limits.num_replicas)
     return [
         StreamConfig(name=subjects.stream_arrivals(), subjects=[subjects.arrivals()], **common),
         StreamConfig(name=subjects.stream_completions(), subjects=[subjects.completions()], **common),
@@ -69,10 +75,11 @@ async def ensure_streams(js: JetStreamContext, subjects: Subjects,
         return await js.key_value(bucket)
     except NotFoundError:  # BucketNotFoundError
         pass
-    return await js.create_key_value(KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE))
+    return await js.create_key_value(KeyValueConfig(bucket=bucket, history=16, storage=StorageType.FILE,
+                                                    replicas=limits.num_replicas))
 
 
-async def ensure_model_store(js: JetStreamContext, subjects: Subjects) -> ObjectStore:
+async def ensure_model_store(js: JetStreamContext, subjects: Subjects, num_replicas: int = 1) -> ObjectStore:
     """The object store of trained models (file storage); created if missing, safe to call any number of times."""
     bucket = subjects.models_bucket()
     try:
@@ -80,6 +87,7 @@ async def ensure_model_store(js: JetStreamContext, subjects: Subjects) -> Object
     except NotFoundError:  # BucketNotFoundError
         pass
     try:
-        return await js.create_object_store(bucket, config=ObjectStoreConfig(storage=StorageType.FILE))
+        return await js.create_object_store(bucket, config=ObjectStoreConfig(storage=StorageType.FILE,
+                                                                                 replicas=num_replicas))
     except BadRequestError:  # created concurrently by another worker
         return await js.object_store(bucket)

@@ -33,7 +33,7 @@ from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
 from oserve.specs import Deployment, cluster_for_gpus, model_preset
 from oserve.streams.client import ClientError, OServeClient, RequestRejected, RequestTimeout
-from oserve.streams.jetstream import ensure_model_store, ensure_streams
+from oserve.streams.jetstream import StreamLimits, ensure_model_store, ensure_streams
 from oserve.streams.schemas import CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
 from oserve.traces import Trace, load_trace
@@ -88,6 +88,9 @@ class SystemConfig:
     engine_start_s: float = ENGINE_START_S
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5
+    js_replicas: int = 1
+    """Copies of each JetStream stream and bucket (`StreamLimits.num_replicas`): 1 on one NATS server, 3 on
+    the 3-node cluster of `deploy/k8s`."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     workers: tuple[str, ...] = WORKER_NAMES
 
@@ -108,6 +111,8 @@ class SystemConfig:
         if self.lstm_lookback_spans < 1 or self.lstm_retrain_every_spans < 1:
             raise ConfigError(f"SystemConfig: lstm_lookback_spans and lstm_retrain_every_spans must be >= 1, got "
                               f"{self.lstm_lookback_spans}, {self.lstm_retrain_every_spans}")
+        if not 1 <= self.js_replicas <= 5:
+            raise ConfigError(f"SystemConfig.js_replicas must be in 1..5, got {self.js_replicas}")
         if self.history_minutes is not None and not self.history_minutes > 0:
             raise ConfigError(f"SystemConfig.history_minutes must be > 0, got {self.history_minutes}")
 
@@ -188,7 +193,7 @@ class LiveSystem:
 
     async def start(self) -> None:
         cfg, tracer, clock, nc = self.config, self.tracing.tracer, self.clock, self.nc
-        kv = await ensure_streams(nc.jetstream(), cfg.subjects)
+        kv = await ensure_streams(nc.jetstream(), cfg.subjects, StreamLimits(num_replicas=cfg.js_replicas))
         ctx = self.inputs.ctx
         gpn = ctx.cluster.gpus_per_node
         w = set(cfg.workers)
@@ -213,7 +218,8 @@ class LiveSystem:
             self.forecaster = ForecasterStage(
                 nc, ForecasterConfig(subjects=cfg.subjects, span_s=cfg.span_s, num_types=prior.types.k),
                 clock, forecaster=live_forecaster(cfg, prior), types=prior.types, tracer=tracer, js=nc.jetstream(),
-                store=await ensure_model_store(nc.jetstream(), cfg.subjects), class_names=prior.class_names)
+                store=await ensure_model_store(nc.jetstream(), cfg.subjects, cfg.js_replicas),
+                class_names=prior.class_names)
             await self.forecaster.start()
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,

@@ -55,7 +55,7 @@ def bench_bus(
 
 def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,
                    otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
-                   history_minutes: float | None = None):
+                   history_minutes: float | None = None, js_replicas: int = 1):
     from oserve.observability.tracing import TracingConfig
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import SystemConfig
@@ -63,7 +63,7 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
     return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
                         trace=trace, history_minutes=history_minutes,
                         tracing=TracingConfig(exporter=tracing, otlp_endpoint=otlp_endpoint),  # type: ignore[arg-type]
-                        workers=workers, epoch_unix_s=epoch_unix_s or None)
+                        workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas)
 
 
 async def _serve(url: str, config, duration_s: float, label: str, view: bool = False) -> None:
@@ -129,6 +129,9 @@ TRACING = typer.Option("none", help="Span exporter: none, console, otlp, or file
                                      "./traces.jsonl).")
 OTLP_ENDPOINT = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint.")
 DURATION_S = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C).")
+JS_REPLICAS = typer.Option(1, "--js-replicas", envvar="OSERVE_JS_REPLICAS",
+                          help="Copies of each JetStream stream and bucket: 1 on one NATS server, 3 on a "
+                               "3-node cluster.")
 
 
 @app.command("up")
@@ -145,6 +148,7 @@ def up(
     otlp_endpoint: str = OTLP_ENDPOINT,
     duration_s: float = DURATION_S,
     view: bool = typer.Option(False, "--view", help="Show a live terminal view of replicas, forecast and plan."),
+    js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner."""
     import asyncio
@@ -152,7 +156,8 @@ def up(
     from oserve.streams.server import NatsServer
 
     _logging()
-    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint)
+    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint,
+                            js_replicas=js_replicas)
     if nats_url:
         asyncio.run(_serve(nats_url, config, duration_s, "up", view))
         return
@@ -177,6 +182,7 @@ def worker(
     duration_s: float = DURATION_S,
     epoch: float = typer.Option(0.0, help="Unix time at which the shared clock reads 0; give every worker the "
                                            "same one (0: this process's start)."),
+    js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Run one worker against a NATS server (to spread the system over hosts)."""
     import asyncio
@@ -186,7 +192,8 @@ def worker(
     if name not in WORKER_NAMES:
         raise ConfigError(f"unknown worker {name!r}; one of {', '.join(WORKER_NAMES)}")
     _logging()
-    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch)
+    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch,
+                            js_replicas=js_replicas)
     asyncio.run(_serve(nats_url, config, duration_s, name))
 
 
