@@ -7,25 +7,28 @@ async with await OServeClient.connect("nats://127.0.0.1:4222") as client:
 
 Errors are typed: `RequestRejected` (the system answered with a structured error: `code`, `message`),
 `RequestTimeout` (no answer within the timeout), `NoGateway` (nobody listens on the submit subject).
-It is part of the bus contract (`oserve.streams`), outside the pure core: it imports nats.
+It is part of the bus contract (`oserve.streams`), outside the pure core: it imports nats. It is also the
+light client (`pip install oserve`, nats-py and msgspec alone): OpenTelemetry is imported only when a
+`tracer` is given, and nothing here imports the system (numpy, torch, the workers).
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from oserve.errors import OServeError
-from oserve.observability.tracing import inject
 from oserve.streams.schemas import (ErrorReply, Ping, Pong, Reply, SchemaError, SubmitRequest, decode_reply,
                                     encode)
 from oserve.streams.server import redact_url
 from oserve.streams.subjects import Subjects
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 
 class ClientError(OServeError):
@@ -92,7 +95,11 @@ class OServeClient:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
         span = None
-        if self.tracer is not None:
+        if self.tracer is not None:  # only a traced client needs OpenTelemetry (the server extra)
+            from opentelemetry.trace import SpanKind, Status, StatusCode
+
+            from oserve.observability.tracing import inject
+
             span = self.tracer.start_span("client.submit", kind=SpanKind.CLIENT,
                                           attributes={"oserve.request_id": request_id})
         try:

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import sys
 
-import typer
+try:
+    import numpy  # noqa: F401  (the subcommand modules import numpy and rich at their top, as this does typer)
+    import rich  # noqa: F401
+    import typer
+except ModuleNotFoundError as exc:  # `pip install oserve` is the light client alone: no command line
+    if (exc.name or "").partition(".")[0] not in ("typer", "click", "rich", "numpy"):
+        raise
+    sys.exit("the oserve command needs the server extra: pip install 'oserve[server]'")
 
+from oserve import __version__
 from oserve.errors import OServeError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -14,6 +22,18 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print JSON f
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect request traces.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"oserve {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
 
 # Subcommand modules register themselves on the apps above when imported.
 from oserve.cli import (bench_cmds, demo_cmd, forecast_cmds, live_cmds, plan_cmds, sim_cmds,  # noqa: E402,F401
