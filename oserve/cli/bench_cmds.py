@@ -12,6 +12,7 @@ from rich.table import Table
 from pathlib import Path
 
 from oserve.cli import app, bench_app
+from oserve.cli.tables import compact
 
 
 @bench_app.command("perfmodel")
@@ -55,7 +56,7 @@ def bench_perfmodel(
                   f"{layers['p90_ape']:.2%}", style="bold")
     for key, s in colls["per_key"].items():
         table.add_row(key, "every 5th size", str(s["points"]), f"{s['mape']:.2%}", "")
-    console.print(table)
+    console.print(compact(table))
 
 
 @app.command("calibrate")

@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from oserve.cli import app
+from oserve.cli.tables import compact
 
 WORKLOADS = ("shift", "azure-conv")
 
@@ -191,7 +192,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         cells = [result[key]] + ([summary["static"][key]] if static else [])
         t.add_row(key, *(f"{v:.2f}" if isinstance(v, float) else str(v) for v in cells))
     console_out = out_console()
-    console_out.print(t)
+    console_out.print(compact(t))
     if result["error_codes"]:
         console_out.print(f"Errors by code: {result['error_codes']} (invalid: input plus max tokens over the "
                           f"model's context window, refused as vLLM refuses them).")

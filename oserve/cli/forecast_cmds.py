@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from oserve.cli import app, bench_app
+from oserve.cli.tables import compact
 from oserve.errors import ConfigError
 
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
@@ -199,7 +200,7 @@ def forecast_cmd(
     nf = ev.noise_floor
     table.add_row("noise floor (Poisson)", *[f"{v:.3f}" for v in nf["per_type"]], f"{nf['overall']:.3f}", "",
                   style="dim")
-    console.print(table)
+    console.print(compact(table))
     if used_lookback != lookback:
         console.print(f"note: LSTM lookback shortened to {used_lookback} spans to fit {ev.n_train} training spans")
     console.print(f"overall = RRMSE of the total over types. {series.note}")
@@ -325,6 +326,6 @@ def bench_forecast(
     for t in traces:
         table.add_row(t["name"], f"{t['span_s']:g} s", *[f"{t['rrmse'][n]:.3f}" for n in names],
                       f"{t['noise_floor']:.4f}", f"{t['latency_ms']['lstm']:.2f}")
-    console.print(table)
+    console.print(compact(table))
     for s in skipped:
         console.print(f"skipped {s['name']}: {s['reason']}")

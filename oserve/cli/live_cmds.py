@@ -44,13 +44,15 @@ def bench_bus(
     from rich.console import Console
     from rich.table import Table
 
+    from oserve.cli.tables import compact
+
     t = Table(title="Bus benchmark: gateway -> engine (echo backend) vs a bare NATS echo")
     t.add_column("figure")
     t.add_column("value", justify="right")
     for key in ("routed_per_s", "echo_per_s", "ratio", "p99_added_ms", "p50_added_ms", "echo_p99_ms",
                 "routed_p99_ms"):
         t.add_row(key, f"{result[key]:.3f}")
-    Console().print(t)
+    Console().print(compact(t))
 
 
 def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,

@@ -110,6 +110,8 @@ def _print_plan(plan: Any, model_name: str, cluster: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from oserve.cli.tables import compact
+
     console = Console()
     a = plan.assignment
     util = dict(zip(a.replica_ids, a.utilisation))
@@ -120,7 +122,7 @@ def _print_plan(plan: Any, model_name: str, cluster: Any) -> None:
         stages = " | ".join(",".join(str(g) for g in r.stage_gpus(s)) for s in range(r.shape.pp))
         deployment.add_row(r.replica_id, str(r.shape.num_gpus), str(r.shape.tp), str(r.shape.pp), stages,
                            f"{util[r.replica_id]:.1%}")
-    console.print(deployment)
+    console.print(compact(deployment))
     matrix = Table(title="Assignment (requests/s)")
     matrix.add_column("replica")
     for name in a.type_names:
@@ -129,7 +131,7 @@ def _print_plan(plan: Any, model_name: str, cluster: Any) -> None:
         matrix.add_row(rid, *(f"{x:.3f}" for x in row))
     matrix.add_row("served", *(f"{x:.3f}" for x in a.served_by_type_rps), style="bold")
     matrix.add_row("demand", *(f"{x:.3f}" for x in a.demand_rps))
-    console.print(matrix)
+    console.print(compact(matrix))
     console.print(f"served {plan.throughput_rps:.3f} of {plan.demand_rps:.3f} requests/s "
                   f"({plan.served_frac:.1%}); peak utilisation {plan.peak_utilisation:.1%}; "
                   f"solved in {plan.solve_s * 1e3:.1f} ms")
@@ -188,6 +190,8 @@ def _print_bench(cases: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from oserve.cli.tables import compact
+
     table = Table(title="Deployment searches (throughput in requests/s)")
     for col in ("GPUs", "mix", "search", "seconds", "throughput", "demand", "vs exhaustive", "vs milp", "peak util",
                 "replicas"):
@@ -196,5 +200,5 @@ def _print_bench(cases: list[dict]) -> None:
         ratios = ["" if c[key] is None else f"{c[key]:.4f}" for key in ("ratio_to_exhaustive", "ratio_to_milp")]
         table.add_row(str(c["gpus"]), c["mix"], c["search"], f"{c['seconds']:.3f}", f"{c['throughput']:.2f}",
                       f"{c['demand_rps']:.2f}", *ratios, f"{c['peak_utilisation']:.3f}", str(len(c["replicas"])))
-    Console().print(table)
+    Console().print(compact(table))
     sys.stdout.flush()

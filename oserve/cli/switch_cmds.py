@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from oserve.cli import bench_app
+from oserve.cli.tables import compact
 from oserve.defaults import ENGINE_START_S
 
 DEFAULT_MODELS = ("llama2-70b", "opt-66b")
@@ -85,7 +86,7 @@ def _print_tables(result: dict) -> None:
                       r["planner"], f"{r['switch_seconds']:.4f}", f"{lb:.4f}", f"{ratio:.3f}",
                       f"{r['reload_seconds']:.1f}", f"{r['nvlink_bytes'] / 1e9:.1f}", f"{r['network_bytes'] / 1e9:.1f}",
                       f"{r['plan_seconds']:.2f}", style="bold" if r["planner"] == "improved" else None)
-    console.print(table)
+    console.print(compact(table))
     t = result["targets"]
     console.print(f"improved / lower bound, worst case: {t['improved_worst_ratio_to_lower_bound']:.4f} "
                   f"(target <= 1.05: {'met' if t['improved_within_1_05_of_bound'] else 'MISSED'}); "
@@ -109,4 +110,4 @@ def _print_tables(result: dict) -> None:
         if "injected_failure" in ex:
             f = ex["injected_failure"]
             et.add_row("injected failure", f"rolled back: {f['rolled_back']}, source intact: {f['source_intact']}")
-        console.print(et)
+        console.print(compact(et))

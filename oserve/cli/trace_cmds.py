@@ -99,6 +99,8 @@ def _print_tables(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from oserve.cli.tables import compact
+
     def fmt(v: float, digits: int = 0) -> str:
         return "-" if not math.isfinite(v) else f"{v:,.{digits}f}"
 
@@ -112,7 +114,7 @@ def _print_tables(summary: dict[str, Any]) -> None:
         d = summary[key]
         head.add_row(label, f"{d['min']:,}-{d['max']:,}", fmt(d["p50"], 1), fmt(d["p90"], 1),
                      fmt(d["p99"], 1), fmt(d["mean"], 1))
-    console.print(head)
+    console.print(compact(head))
 
     body = Table(title=(f"{summary['k']} workload types; mix over {summary['num_spans']} spans of "
                         f"{summary['span_s']:g} s ({summary['requests_in_spans']:,} requests in full spans)"),
@@ -124,7 +126,7 @@ def _print_tables(summary: dict[str, Any]) -> None:
         body.add_row(t["name"], f"{t['share']:.3f}", fmt(t["centroid_input_tokens"]),
                      fmt(t["centroid_output_tokens"]), fmt(t["mean_input_tokens"]),
                      fmt(t["mean_output_tokens"]), fmt(t["mix_cv"], 3), fmt(t["mix_cv_noise"], 3))
-    console.print(body)
+    console.print(compact(body))
     console.print("mix CV: std/mean of a type's share across spans with traffic; noise CV: what a "
                   "constant mix would show from sampling alone.", style="dim")
     console.print(f"plot: {summary['plot']}", style="dim")
