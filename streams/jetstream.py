@@ -3,7 +3,9 @@
 Streams (file storage, so a NATS restart loses nothing):
 - arrivals: `Arrived` events from the gateways (the forecaster's input);
 - completions: `Completed` events from the engines (true output lengths);
-- plans: forecast, strategy, assignment and switch events.
+- plans: forecast, strategy, assignment and switch events;
+- telemetry: heartbeats and telemetry (published on core NATS for the router; captured here with a short
+  age and size bound, `StreamLimits.telemetry_max_age_s`, so a telemetry consumer reads recent history).
 The KV bucket holds the latest strategy under `Subjects.STRATEGY_KEY` and the assignment the routers
 follow under `Subjects.ASSIGNMENT_KEY`. The models object store (`ensure_model_store`) holds trained
 models, so a restarted worker reuses them instead of training again.
@@ -34,6 +36,11 @@ class StreamLimits:
     """Bytes kept per stream."""
     duplicate_window_s: float = 120.0
     """Window in which a repeated `Nats-Msg-Id` is stored once (seconds)."""
+    telemetry_max_age_s: float = 3600.0
+    """Heartbeats and telemetry older than this are dropped (seconds): a replica heartbeats twice a wall
+    second, so an hour is about 7,200 messages (1.5 MB) per replica."""
+    telemetry_max_bytes: int = 256 << 20
+    """Bytes kept in the telemetry stream; the oldest go first."""
     num_replicas: int = 1
     """Servers that hold a copy of each stream and bucket: 1 for one server, 3 on a 3-node cluster (a
     JetStream stream cannot have more replicas than the cluster has servers; 5 at most)."""
@@ -41,6 +48,9 @@ class StreamLimits:
     def __post_init__(self) -> None:
         if self.max_age_s <= 0 or self.max_bytes <= 0 or self.duplicate_window_s <= 0:
             raise ConfigError(f"StreamLimits must be positive, got {self}")
+        if self.telemetry_max_age_s <= 0 or self.telemetry_max_bytes <= 0:
+            raise ConfigError(f"StreamLimits: telemetry_max_age_s and telemetry_max_bytes must be positive, got "
+                              f"{self.telemetry_max_age_s}, {self.telemetry_max_bytes}")
         if not 1 <= self.num_replicas <= 5:
             raise ConfigError(f"StreamLimits.num_replicas must be in 1..5, got {self.num_replicas}")
 
@@ -54,6 +64,9 @@ def stream_configs(subjects: Subjects, limits: StreamLimits = StreamLimits()) ->
         StreamConfig(name=subjects.stream_arrivals(), subjects=[subjects.arrivals()], **common),
         StreamConfig(name=subjects.stream_completions(), subjects=[subjects.completions()], **common),
         StreamConfig(name=subjects.stream_plans(), subjects=[subjects.plan_events()], **common),
+        StreamConfig(name=subjects.stream_telemetry(), subjects=[subjects.heartbeats(), subjects.all_telemetry()],
+                     **{**common, "max_age": limits.telemetry_max_age_s, "max_bytes": limits.telemetry_max_bytes,
+                        "duplicate_window": min(limits.duplicate_window_s, limits.telemetry_max_age_s)}),
     ]
 
 

@@ -4,6 +4,15 @@ Every payload carries its version in the `type` field (`"submit.v1"`); a breakin
 published beside the old one until consumers move, and new fields only ever get defaults. Golden JSON
 files under `tests/data/bus/` keep decoding. Decoding failures become a `SchemaError` with a stable
 `code` that the gateway turns into an `ErrorReply`.
+
+Time: every `at_s` (and `span_start_s`, `finished_at_s`) is on the workers' `Clock`, which may run
+`speedup` times faster than wall time. Messages a telemetry consumer reads carry the clock itself:
+`clock_epoch_unix_s` (the Unix time at which the clock read 0) and `clock_speedup`, so
+
+    wall_unix_s = clock_epoch_unix_s + at_s / clock_speedup
+
+(the defaults, 0.0 and 1.0, are what a producer older than these fields means: no mapping known).
+The JSON Schema of every message, grouped by subject, is `oserve schema` (`docs/bus-schema.json`).
 """
 
 from __future__ import annotations
@@ -148,6 +157,10 @@ class Arrived(_Msg, frozen=True, kw_only=True, tag="arrived.v1"):
 
     gateway_id: str
     items: list[Arrival]
+    clock_epoch_unix_s: float = 0.0
+    """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
+    clock_speedup: float = 1.0
+    """How many clock seconds pass per wall second on the producer's clock."""
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,9 +181,15 @@ class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
     items: list[Completion]
     released: list[str] = []
     """Request ids answered with an error (no numbers for the forecaster); the gateway forgets them too."""
+    clock_epoch_unix_s: float = 0.0
+    """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
+    clock_speedup: float = 1.0
+    """How many clock seconds pass per wall second on the producer's clock."""
 
 
 class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat.v1"):
+    """One replica is alive, and its load now (every `heartbeat_interval_wall_s` wall seconds)."""
+
     replica_id: TokenId
     at_s: float
     num_waiting: int
@@ -181,6 +200,10 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat.v1"):
     """KV blocks used plus demanded by the queue, over the replica's blocks: the load the router balances."""
     kv_capacity_tokens: int = 0
     """Tokens the replica's KV cache holds (0: unknown)."""
+    clock_epoch_unix_s: float = 0.0
+    """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
+    clock_speedup: float = 1.0
+    """How many clock seconds pass per wall second on the producer's clock."""
 
 
 class Telemetry(_Msg, frozen=True, kw_only=True, tag="telemetry.v1"):
@@ -198,16 +221,26 @@ class Telemetry(_Msg, frozen=True, kw_only=True, tag="telemetry.v1"):
     num_waiting: int = 0
     num_running: int = 0
     kv_load_frac: float = 0.0
+    clock_epoch_unix_s: float = 0.0
+    """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
+    clock_speedup: float = 1.0
+    """How many clock seconds pass per wall second on the producer's clock."""
 
 
 class AssignmentSet(_Msg, frozen=True, kw_only=True, tag="assignment.v1"):
     """Which replicas may serve each class: `weights[j][replica_id]` is the requests/s of class j the plan
     gives that replica (a rate, not a share). The router sends a class-j request to the least loaded
     replica with a positive weight (`oserve.routing.least_loaded`); a class with no positive weight
-    on a live replica goes to the least loaded replica of all."""
+    on a live replica goes to the least loaded replica of all. `shares[j][replica_id]` is the same plan as
+    fractions of class j (summing to 1): the split the plan intends, which least-loaded routing keeps
+    only approximately."""
 
     strategy_id: str
     weights: list[dict[str, float]]
+    shares: list[dict[str, float]] = []
+    """shares[j][replica_id]: the fraction of class j's requests the plan gives that replica, summing to 1
+    over the replicas of each class (`weights[j]` normalised); `{}` for a class the plan gives no replica
+    (no positive weight). Computed by the scheduler; empty from a producer older than this field."""
 
 
 # --- control plane: forecast -> strategy -> switch ----------------------------------------------------
@@ -232,6 +265,10 @@ class ForecastMade(_Msg, frozen=True, kw_only=True, tag="forecast.v1"):
     scored yet is absent): the evidence the forecaster in force was chosen on."""
     forecaster_note: str = ""
     """Why the LSTM is not in force, when it is not ('' when it is, or when the stage runs none)."""
+    clock_epoch_unix_s: float = 0.0
+    """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
+    clock_speedup: float = 1.0
+    """How many clock seconds pass per wall second on the producer's clock."""
 
 
 class ReplicaSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -248,7 +285,8 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     span_index: int
     replicas: list[ReplicaSpec]
     weights: list[dict[str, float]]
-    """weights[j][replica_id]: requests/s of class j the plan gives that replica (see `AssignmentSet`)."""
+    """weights[j][replica_id]: requests/s of class j the plan gives that replica (see `AssignmentSet`): a
+    rate on the clock, not a share; `shares` holds the fractions."""
     switch_s: float
     """Clock seconds until the replicas new in this deployment can serve (modelled weight transfer)."""
     forecast_rps: list[float]
@@ -261,6 +299,14 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     """Wall seconds the planner took for this decision."""
     budget_wall_s: float = 0.0
     """The decision budget it was given (wall seconds: a tenth of the span on the clock); 0 when none."""
+    shares: list[dict[str, float]] = []
+    """shares[j][replica_id]: the fraction of class j's requests the plan gives that replica, summing to 1
+    over the replicas of each class (`weights[j]` normalised); `{}` for a class the plan gives no replica
+    (no positive weight). Computed by the scheduler; empty from a producer older than this field."""
+    clock_epoch_unix_s: float = 0.0
+    """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
+    clock_speedup: float = 1.0
+    """How many clock seconds pass per wall second on the producer's clock."""
 
 
 class StartReplica(_Msg, frozen=True, kw_only=True, tag="start_replica.v1"):

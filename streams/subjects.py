@@ -68,7 +68,7 @@ class Subjects:
         """Commands (`StartReplica`, `DrainReplica`) to one engine host."""
         return f"{self.prefix}.host.{_check_token('host_id', host_id)}.control"
 
-    # --- liveness and telemetry (core NATS, not persisted) ------------------------------------
+    # --- liveness and telemetry (core NATS; the telemetry stream keeps the last hour) -----------
 
     def heartbeat(self, replica_id: str) -> str:
         return f"{self.prefix}.hb.{_check_token('replica_id', replica_id)}"
@@ -92,6 +92,10 @@ class Subjects:
 
     def stream_plans(self) -> str:
         return f"{self.prefix.upper()}_PLANS"
+
+    def stream_telemetry(self) -> str:
+        """Heartbeats and telemetry, kept for a bounded time so a consumer (`oserve top`) starts with state."""
+        return f"{self.prefix.upper()}_TELEMETRY"
 
     def strategy_bucket(self) -> str:
         return f"{self.prefix}_strategy"

@@ -144,3 +144,90 @@ def test_the_request_path_works_under_the_deploy_permissions() -> None:
 
     with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
         asyncio.run(asyncio.wait_for(main(srv.url), 20))
+
+
+def test_the_telemetry_stream_keeps_heartbeats_and_telemetry_for_a_bounded_time(server: NatsServer) -> None:
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await ensure_streams(js, subjects)
+        info = await js.stream_info(subjects.stream_telemetry())
+        assert info.config.storage == StorageType.FILE
+        assert info.config.max_age == 3600.0 and 0 < info.config.max_bytes <= 1 << 30
+        await nc.publish(subjects.heartbeat("r0"), b"{}")  # core publishes: the stream captures them
+        await nc.publish(subjects.telemetry("r0"), b"{}")
+        await nc.flush()
+        for _ in range(100):
+            if (await js.stream_info(subjects.stream_telemetry())).state.messages == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert (await js.stream_info(subjects.stream_telemetry())).state.messages == 2
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_the_telemetry_user_reads_the_streams_and_publishes_nothing() -> None:
+    from oserve.observability.top import TopConfig, snapshot_once
+    from oserve.streams.schemas import Heartbeat, StrategyChosen, encode
+
+    subjects = Subjects("oserve")  # the permissions name the production prefix
+
+    async def main(url: str) -> None:
+        worker = await nats.connect(url, user="worker", password="test-worker")
+        await ensure_streams(worker.jetstream(), subjects)
+        await worker.publish(subjects.heartbeat("r0"), encode(Heartbeat(
+            replica_id="r0", at_s=1.0, num_waiting=2, num_running=3)))
+        await worker.publish(subjects.plan_event("strategy"), encode(StrategyChosen(
+            strategy_id="s1", span_index=1, replicas=[], weights=[], switch_s=0.0, forecast_rps=[])))
+        await worker.flush()
+        await asyncio.sleep(0.1)
+
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        tele = await nats.connect(url, user="telemetry", password="test-telemetry", error_cb=on_error,
+                                  inbox_prefix=f"{subjects.reply_prefix()}.telemetry")
+        # it can consume: the stored heartbeat and strategy, through its own consumers
+        view = await snapshot_once(tele.jetstream(), TopConfig(subjects=subjects, fetch_wait_s=0.3))
+        assert view.heartbeats["r0"].num_running == 3 and view.strategy and view.strategy.strategy_id == "s1"
+        live: list[str] = []
+
+        async def on_plan(msg) -> None:
+            live.append(msg.subject)
+
+        sub = await tele.subscribe(subjects.plan_events(), cb=on_plan)
+        await tele.flush()
+        await worker.publish(subjects.plan_event("forecast"), b"{}")
+        await worker.flush()
+        for _ in range(50):
+            if live:
+                break
+            await asyncio.sleep(0.02)
+        assert live == [subjects.plan_event("forecast")]
+        await sub.unsubscribe()
+        assert not errors, errors
+        # and is refused the rest: submit, plans, control, the arrivals, others' inboxes, stream admin
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+            await tele.request(subjects.submit(), b"{}", timeout=0.5)
+        await tele.publish(subjects.plan_event("strategy"), b"forged")
+        await tele.publish(subjects.host_control("h0"), b"forged")
+        await tele.publish(f"$JS.API.STREAM.DELETE.{subjects.stream_plans()}", b"")
+        await tele.subscribe(subjects.arrivals())
+        await tele.subscribe(f"{subjects.reply_prefix()}.alice.>")
+        await tele.flush()
+        for _ in range(50):
+            if len(errors) >= 6:
+                break
+            await asyncio.sleep(0.05)
+        assert len(errors) >= 6 and all("ermissions" in str(e) for e in errors), errors
+        assert (await worker.jetstream().stream_info(subjects.stream_plans())).state.messages == 2  # nothing forged
+        await tele.close()
+        await worker.close()
+
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        asyncio.run(asyncio.wait_for(main(srv.url), 30))

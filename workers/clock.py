@@ -24,6 +24,9 @@ class Clock:
         self.start_s = float(start_s)
         self._monotonic = monotonic
         self._wall0 = monotonic()
+        self.epoch_unix_s = time.time() - self.start_s / self.speedup
+        """The Unix time (wall seconds) at which this clock read 0: wall = epoch_unix_s + now_s() / speedup.
+        Bus messages carry it (`clock_epoch_unix_s`, `clock_speedup`) so consumers can map `at_s` to wall time."""
 
     @classmethod
     def from_epoch(cls, epoch_unix_s: float, speedup: float = 1.0) -> Clock:
@@ -31,7 +34,13 @@ class Clock:
 
         The wall clock is read once, here; afterwards time comes from the monotonic clock.
         """
-        return cls(speedup, (time.time() - epoch_unix_s) * speedup)
+        clock = cls(speedup, (time.time() - epoch_unix_s) * speedup)
+        clock.epoch_unix_s = float(epoch_unix_s)  # exactly the one given, so processes report the same
+        return clock
+
+    def stamp(self) -> dict[str, float]:
+        """The clock fields of a bus message (`clock_epoch_unix_s`, `clock_speedup`), as keyword arguments."""
+        return {"clock_epoch_unix_s": self.epoch_unix_s, "clock_speedup": self.speedup}
 
     def now_s(self) -> float:
         return self.start_s + (self._monotonic() - self._wall0) * self.speedup

@@ -283,7 +283,7 @@ class EngineWorker(Worker):
         for i in range(0, max(len(items), len(released)), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.completions(), encode(Completed(
                 replica_id=self.config.replica_id, items=items[i:i + EVENT_BATCH_ITEMS],
-                released=released[i:i + EVENT_BATCH_ITEMS])))
+                released=released[i:i + EVENT_BATCH_ITEMS], **self.clock.stamp())))
 
     async def _flush_loop(self) -> None:
         while True:
@@ -295,7 +295,7 @@ class EngineWorker(Worker):
         await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
             replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,
             num_running=load.num_running, accepting=self._accepting, kv_load_frac=load.kv_load_frac,
-            kv_capacity_tokens=load.kv_capacity_tokens)))
+            kv_capacity_tokens=load.kv_capacity_tokens, **self.clock.stamp())))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -312,7 +312,7 @@ class EngineWorker(Worker):
                 source_id=self.config.replica_id, at_s=self.clock.now_s(), window_s=window_s,
                 num_requests=len(e2e), num_errors=self.num_errors, requests_per_s=len(e2e) / window_s,
                 p50_e2e_s=_quantile(e2e, 0.5), p99_e2e_s=_quantile(e2e, 0.99), num_waiting=load.num_waiting,
-                num_running=load.num_running, kv_load_frac=load.kv_load_frac)))
+                num_running=load.num_running, kv_load_frac=load.kv_load_frac, **self.clock.stamp())))
 
 
 def _quantile(sorted_values: list[float], q: float) -> float | None:

@@ -253,7 +253,7 @@ class ForecasterStage(Worker):
                           observed_counts=[int(c) for c in counts], forecast_rps=[float(r) for r in rates],
                           misclassified_frac=wrong / total if total else 0.0, forecaster=self.forecaster.source,
                           recent_rrmse=errors, forecaster_note=self.forecaster.why_not_challenger()
-                          if self.forecaster.challenger is not None else "")
+                          if self.forecaster.challenger is not None else "", **self.clock.stamp())
         headers = None
         if self.tracer is not None:
             with self.tracer.start_as_current_span("forecast.made", kind=SpanKind.PRODUCER,

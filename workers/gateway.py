@@ -523,7 +523,7 @@ class Gateway(Worker):
         items, self._arrivals = self._arrivals, []
         for i in range(0, len(items), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.arrivals(), encode(Arrived(
-                gateway_id=self.config.gateway_id, items=items[i:i + EVENT_BATCH_ITEMS])))
+                gateway_id=self.config.gateway_id, items=items[i:i + EVENT_BATCH_ITEMS], **self.clock.stamp())))
 
     async def _arrivals_loop(self) -> None:
         while True:

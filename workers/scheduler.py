@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
+import msgspec
 import numpy as np
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -39,15 +40,27 @@ log = logging.getLogger(__name__)
 MSG_ID = "Nats-Msg-Id"  # JetStream stores a message once per id within the stream's duplicate window
 
 
+def shares_from_weights(weights: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each class's per-replica rates as fractions of the class, summing to 1 (`{}` for a class whose
+    rates are all 0: the plan gives it no replica). Pure."""
+    shares = []
+    for row in weights:
+        total = sum(w for w in row.values() if w > 0)
+        shares.append({rid: max(w, 0.0) / total for rid, w in row.items()} if total > 0 else {})
+    return shares
+
+
 def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int, decide_wall_s: float = 0.0,
                            budget_wall_s: float = 0.0) -> StrategyChosen:
-    """The bus form of a decision (with the wall seconds it took and its budget). Pure."""
+    """The bus form of a decision (with the wall seconds it took and its budget), its rates also as shares.
+    Pure; the clock fields are left at their defaults (the worker stamps them)."""
     reps = decision.deployment.replicas
+    weights = [{r.replica_id: float(w) for r, w in zip(reps, row)} for row in decision.weights]
     return StrategyChosen(
         strategy_id=strategy_id, span_index=span_index,
         replicas=[ReplicaSpec(replica_id=r.replica_id, tp=r.shape.tp, pp=r.shape.pp, gpu_ids=list(r.gpu_ids))
                   for r in reps],
-        weights=[{r.replica_id: float(w) for r, w in zip(reps, row)} for row in decision.weights],
+        weights=weights, shares=shares_from_weights(weights),
         switch_s=float(decision.switch_s), forecast_rps=[float(x) for x in decision.forecast_rps],
         label=decision.label, scored_rps=[float(x) for x in decision.scored_rps],
         deferred_spans=decision.deferred_spans, decide_wall_s=decide_wall_s, budget_wall_s=budget_wall_s)
@@ -173,7 +186,8 @@ class SchedulerWorker(Worker):
                 old = self.current.deployment if self.current else Deployment.empty()
                 decision = rename_new(decision, old, strategy_id)
                 self.current = decision
-                s = strategy_from_decision(decision, strategy_id, span_index + 1, took, budget)
+                s = msgspec.structs.replace(strategy_from_decision(decision, strategy_id, span_index + 1, took, budget),
+                                            **self.clock.stamp())
                 await self.kv.put(Subjects.STRATEGY_KEY, encode(s))
                 headers_out = inject(span) if span is not None else {}
                 headers_out[MSG_ID] = f"{self._run_id}:{strategy_id}"

@@ -134,7 +134,7 @@ class SwitchPlannerWorker(Worker):
 
     async def _flip(self, s: StrategyChosen, headers) -> None:
         """Point the routers at the strategy's assignment (and record it for routers that start later)."""
-        assignment = encode(AssignmentSet(strategy_id=s.strategy_id, weights=s.weights))
+        assignment = encode(AssignmentSet(strategy_id=s.strategy_id, weights=s.weights, shares=s.shares))
         if self.kv is not None:
             await self.kv.put(Subjects.ASSIGNMENT_KEY, assignment)
         await self.nc.publish(self.config.subjects.plan_event("assignment"), assignment, headers=headers)
