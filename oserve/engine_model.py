@@ -251,22 +251,34 @@ class SimReplica:
         """Shorten a run of decode steps to end at the first step boundary at or after `now_s`."""
         if not self._busy or self._run_k <= 1 or now_s >= self._run_end_s:
             return self._run_end_s
-        elapsed = max(now_s - self._run_start_s, 0.0)
-        a, b = self._run_a, self._run_b
-        # steps fully done by now: largest i with i*a + b*i*(i-1)/2 <= elapsed
-        if b > 1e-15:
-            i = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * elapsed)) / b)
-        else:
-            i = int(elapsed / a)
-        i = max(0, min(i, self._run_k - 1))
-        while i > 0 and i * a + b * i * (i - 1) / 2 > elapsed:
-            i -= 1
+        i = self._steps_within(max(now_s - self._run_start_s, 0.0), self._run_k - 1)
         k = i + 1  # the step in progress completes
         if k < self._run_k:
             self._run_k = k
-            self._run_end_s = self._run_start_s + k * a + b * k * (k - 1) / 2
+            self._run_end_s = self._run_start_s + k * self._run_a + self._run_b * k * (k - 1) / 2
             self.step_token += 1
         return self._run_end_s
+
+    def _steps_within(self, elapsed_s: float, most: int) -> int:
+        """Steps of the run in progress fully done `elapsed_s` after it started, at most `most`. Pure."""
+        a, b = self._run_a, self._run_b
+        # largest i with i*a + b*i*(i-1)/2 <= elapsed
+        if b > 1e-15:
+            i = int((-(a - b / 2) + math.sqrt((a - b / 2) ** 2 + 2 * b * elapsed_s)) / b)
+        else:
+            i = int(elapsed_s / a)
+        i = max(0, min(i, most))
+        while i > 0 and i * a + b * i * (i - 1) / 2 > elapsed_s:
+            i -= 1
+        return i
+
+    def generated_tokens(self, req: SimRequest, now_s: float) -> int:
+        """Tokens `req` has produced by `now_s`, counting the decode steps of the run in progress that are
+        done by then (the aggregate applies them only at the run's end). Pure: reads, never cuts the run."""
+        if not self.is_decoding(req):
+            return req.generated  # waiting, prefilling or preempted: no token until its prompt is (re)done
+        done = self._steps_within(max(now_s - self._run_start_s, 0.0), self._run_k) if self._busy else 0
+        return min(req.output_tokens, req.generated + req.offset + self.step_index - req.ctx + done)
 
     def on_step_end(self, now_s: float, start_next: bool = True) -> StepOutcome:
         """Apply the step (or run) that ended at `now_s`, then start the next one (unless told not to)."""

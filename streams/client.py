@@ -5,6 +5,14 @@ async with await OServeClient.connect("nats://127.0.0.1:4222") as client:
     reply = await client.submit(prompt="Hello", max_tokens=64, timeout_s=30)
 ```
 
+Streaming (`SubmitRequest.stream`): `stream()` yields the answer's `ReplyChunk`s as the engine produces
+them, then the final `Reply`; the chunks' texts concatenate to the reply's text:
+
+```python
+async for part in client.stream(prompt="Hello", max_tokens=64, timeout_s=30):
+    print(part.text, end="")  # ReplyChunks, then the Reply (its text is the whole answer)
+```
+
 Errors are typed: `RequestRejected` (the system answered with a structured error: `code`, `message`),
 `RequestTimeout` (no answer within the timeout), `NoGateway` (nobody listens on the submit subject).
 It is part of the bus contract (`oserve.streams`), outside the pure core: it imports nats. It is also the
@@ -14,21 +22,28 @@ light client (`pip install oserve`, nats-py and msgspec alone): OpenTelemetry is
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import logging
 import uuid
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 
 import nats
 import nats.errors
+import nats.js.api
 from nats.aio.client import Client as NATS
 
 from oserve.errors import OServeError
-from oserve.streams.schemas import (ErrorReply, Ping, Pong, Reply, SchemaError, SubmitRequest, decode_reply,
-                                    encode)
+from oserve.streams.schemas import (ErrorReply, Ping, Pong, Reply, ReplyChunk, SchemaError, SubmitRequest, decode,
+                                    decode_reply, encode)
 from oserve.streams.server import redact_url
 from oserve.streams.subjects import Subjects
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
+
+log = logging.getLogger(__name__)
+_NO_RESPONDERS = "503"  # the status NATS answers a request with when nobody subscribes to its subject
 
 
 class ClientError(OServeError):
@@ -61,6 +76,8 @@ class OServeClient:
         self.nc, self.subjects, self.tracer = nc, subjects, tracer
         self.default_timeout_s = default_timeout_s
         self._owns = owns_connection
+        self._stream_prefix = ""  # one inbox prefix for this client's streams (`dedupe_key` matches its retries)
+        self._stream_seq = itertools.count()
 
     @classmethod
     async def connect(cls, url: str, *, subjects: Subjects = Subjects(), user: str | None = None,
@@ -78,16 +95,105 @@ class OServeClient:
     async def submit(self, *, prompt: str | None = None, input_tokens: int | None = None,
                      max_tokens: int | None = None, output_hint_tokens: int | None = None,
                      tags: Mapping[str, str] | None = None, request_id: str | None = None,
-                     timeout_s: float | None = None, sim_output_tokens: int | None = None) -> Reply:
+                     timeout_s: float | None = None, sim_output_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+                     stop: Sequence[str] = ()) -> Reply:
         """Submit one request and await its reply; raises `RequestRejected`, `RequestTimeout`, `NoGateway`.
 
-        `sim_output_tokens` is for simulated engines only (`SubmitRequest.sim_output_tokens`)."""
-        if (prompt is None) == (input_tokens is None):
-            raise ValueError("give exactly one of prompt (text) and input_tokens (a count)")
-        req = SubmitRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, input_tokens=input_tokens,
-                            max_tokens=max_tokens, output_hint_tokens=output_hint_tokens, tags=dict(tags or {}),
-                            sim_output_tokens=sim_output_tokens)
+        `sim_output_tokens` is for simulated engines only (`SubmitRequest.sim_output_tokens`); the sampling
+        fields are forwarded to the engine (see `SubmitRequest.temperature`)."""
+        req = _request(prompt, input_tokens, max_tokens, output_hint_tokens, tags, request_id, sim_output_tokens,
+                       temperature, top_p, seed, stop, stream=False)
         return await self.submit_raw(encode(req), req.request_id, timeout_s)  # type: ignore[return-value]
+
+    def stream(self, *, prompt: str | None = None, input_tokens: int | None = None,
+               max_tokens: int | None = None, output_hint_tokens: int | None = None,
+               tags: Mapping[str, str] | None = None, request_id: str | None = None,
+               timeout_s: float | None = None, sim_output_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+               stop: Sequence[str] = ()) -> AsyncIterator[ReplyChunk | Reply]:
+        """Submit one request with streaming: an iterator of its `ReplyChunk`s, then its final `Reply` (see
+        `stream_raw`); the same arguments and errors as `submit`."""
+        req = _request(prompt, input_tokens, max_tokens, output_hint_tokens, tags, request_id, sim_output_tokens,
+                       temperature, top_p, seed, stop, stream=True)
+        return self.stream_raw(encode(req), req.request_id, timeout_s)
+
+    async def stream_raw(self, payload: bytes, request_id: str = "",
+                         timeout_s: float | None = None) -> AsyncIterator[ReplyChunk | Reply]:
+        """Send an encoded streaming `SubmitRequest` and yield what comes back: chunks, then the `Reply`.
+
+        The answer arrives on a private inbox subscription, unsubscribed when the iteration ends (close
+        the iterator, e.g. with `contextlib.aclosing`, to end it early). `timeout_s` bounds the whole
+        answer, as in `submit`. Only chunks that extend what was yielded are passed on (a re-dispatched
+        request streams again from its start); when the `Reply`'s text goes beyond them, one more chunk
+        (`index` -1) with the rest comes before it, so the chunks' texts concatenate to the reply's text
+        whenever they are a prefix of it (a re-dispatched sampling engine could answer differently: the
+        `Reply` is the answer). Raises `RequestRejected`, `RequestTimeout`, `NoGateway`, `ClientError`."""
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout}")
+        if not self._stream_prefix:
+            self._stream_prefix = self.nc.new_inbox()
+        inbox = f"{self._stream_prefix}.{next(self._stream_seq)}"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        span = headers = None
+        if self.tracer is not None:  # only a traced client needs OpenTelemetry (the server extra)
+            from opentelemetry.trace import SpanKind
+
+            from oserve.observability.tracing import inject
+
+            span = self.tracer.start_span("client.stream", kind=SpanKind.CLIENT,
+                                          attributes={"oserve.step": "client.stream", "oserve.request_id": request_id})
+            headers = inject(span)
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
+            tokens, text = 0, ""  # what was yielded so far
+            while True:
+                left_s = deadline - loop.time()
+                try:
+                    if left_s <= 0:
+                        raise nats.errors.TimeoutError
+                    msg = await sub.next_msg(timeout=left_s)
+                except nats.errors.TimeoutError:
+                    raise RequestTimeout(f"request {request_id or '?'}: no full answer within {timeout} s") from None
+                if msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+                    raise NoGateway(f"no gateway listens on {self.subjects.submit()}")
+                try:
+                    answer = decode(msg.data, Reply | ErrorReply | ReplyChunk)
+                except SchemaError as exc:
+                    raise ClientError(f"request {request_id or '?'}: unreadable reply: {exc}") from None
+                if isinstance(answer, ErrorReply):
+                    raise RequestRejected(answer.request_id or request_id, answer.code, answer.message)
+                if isinstance(answer, ReplyChunk):
+                    if answer.offset_tokens == tokens and answer.num_tokens > 0:
+                        tokens, text = tokens + answer.num_tokens, text + answer.text
+                        yield answer
+                    continue
+                assert isinstance(answer, Reply)
+                if not answer.text.startswith(text):
+                    log.warning("request %s: the streamed chunks are not a prefix of the final answer",
+                                request_id or "?")
+                elif len(answer.text) > len(text) or answer.output_tokens > tokens:
+                    yield ReplyChunk(request_id=answer.request_id, replica_id=answer.replica_id, index=-1,
+                                     offset_tokens=tokens, num_tokens=max(0, answer.output_tokens - tokens),
+                                     text=answer.text[len(text):])
+                yield answer
+                return
+        except ClientError as exc:
+            if span is not None:
+                from opentelemetry.trace import Status, StatusCode
+
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            raise
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed: nothing left to unsubscribe
+                log.debug("stream %s: unsubscribe failed", request_id or "?", exc_info=True)
+            if span is not None:
+                span.end()
 
     async def submit_raw(self, payload: bytes, request_id: str = "", timeout_s: float | None = None) -> Reply | Pong:
         """Send already-encoded bytes to the gateway and decode the answer (tests send malformed ones)."""
@@ -116,6 +222,8 @@ class OServeClient:
                 raise ClientError(f"request {request_id or '?'}: unreadable reply: {exc}") from None
             if isinstance(answer, ErrorReply):
                 raise RequestRejected(answer.request_id or request_id, answer.code, answer.message)
+            if isinstance(answer, ReplyChunk):
+                raise ClientError(f"request {request_id or '?'}: the answer is streamed; use stream()")
             return answer
         except ClientError as exc:
             if span is not None:
@@ -140,3 +248,16 @@ class OServeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _request(prompt: str | None, input_tokens: int | None, max_tokens: int | None, output_hint_tokens: int | None,
+             tags: Mapping[str, str] | None, request_id: str | None, sim_output_tokens: int | None,
+             temperature: float | None, top_p: float | None, seed: int | None, stop: Sequence[str],
+             stream: bool) -> SubmitRequest:
+    """The `SubmitRequest` of `submit` / `stream` (the gateway validates it). Pure but for a fresh id."""
+    if (prompt is None) == (input_tokens is None):
+        raise ValueError("give exactly one of prompt (text) and input_tokens (a count)")
+    return SubmitRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, input_tokens=input_tokens,
+                         max_tokens=max_tokens, output_hint_tokens=output_hint_tokens, tags=dict(tags or {}),
+                         sim_output_tokens=sim_output_tokens, stream=stream, temperature=temperature, top_p=top_p,
+                         seed=seed, stop=list(stop))

@@ -38,6 +38,9 @@ BYTES_PER_TOKEN = 4
 Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)]
 TokenId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")]
 """An id that names a subject (a replica's): one subject token, as `Subjects` checks it."""
+MAX_STOP_SEQUENCES = 4
+"""Stop sequences one request may carry (OpenAI's limit)."""
+MAX_STOP_CHARS = 256
 Tokens = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 PosTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 Seconds = Annotated[float, Meta(ge=0.0)]
@@ -46,6 +49,13 @@ EVENT_BATCH_ITEMS = 500
 
 TagKey = Annotated[str, Meta(min_length=1, max_length=64)]
 TagValue = Annotated[str, Meta(max_length=256)]
+
+# Sampling, as OpenAI's API and vLLM's SamplingParams take it (the ranges are OpenAI's).
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+StopSequences = Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+                          Meta(max_length=MAX_STOP_SEQUENCES)]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
@@ -70,6 +80,17 @@ class SubmitRequest(_Msg, frozen=True, kw_only=True, tag="submit.v1"):
     """For the simulated engine only: how long the simulated model's answer is (a real engine decides
     that itself, at its end-of-sequence token). The gateway forwards it to the engine and never reads it
     to classify or route; a trace replay sets it to the trace's output length."""
+    stream: bool = False
+    """Stream the answer: the engine sends `ReplyChunk`s to the reply inbox as tokens are produced, then
+    the final `Reply` (which ends the answer and carries its whole text)."""
+    temperature: Temperature | None = None
+    """Sampling fields (None / empty: the engine's defaults). They are validated here and forwarded to the
+    engine in the `Dispatch` rather than refused, so an OpenAI client's request keeps its meaning on the
+    way to an engine that samples (the vLLM backend); the `sim` and `echo` backends answer with
+    placeholder text and cannot honour them, and say so in their docstrings."""
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: StopSequences = []
 
     def prompt_tokens(self) -> int:
         """Input length in tokens: the count given, else the text's approximate count. Pure."""
@@ -104,6 +125,13 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     sim_output_tokens: int | None = None
     """The simulated model's answer length (`SubmitRequest.sim_output_tokens`); the `sim` backend generates
     that many tokens, capped at max_tokens (max_tokens when None)."""
+    stream: bool = False
+    """`SubmitRequest.stream`: send `ReplyChunk`s before the final `Reply`."""
+    temperature: Temperature | None = None
+    """The sampling fields of the `SubmitRequest`, forwarded as given (see there)."""
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: StopSequences = []
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
@@ -117,6 +145,25 @@ class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
     ttft_s: float
     """Time to first token on the engine's clock (seconds from its arrival at the engine)."""
     e2e_s: float
+    text: str = ""
+
+
+class ReplyChunk(_Msg, frozen=True, kw_only=True, tag="reply_chunk.v1"):
+    """Part of a streamed answer (`SubmitRequest.stream`), sent to the reply inbox before the final `Reply`.
+
+    Chunks are progress, the `Reply` is the answer: it alone ends the stream and carries the whole text.
+    `offset_tokens` lets a reader keep the chunks that extend what it has; a re-dispatched request
+    (its replica died) streams again from offset 0, and a client's retry on a new inbox gets the final
+    `Reply` only."""
+
+    request_id: str
+    replica_id: str
+    index: int
+    """0, 1, ... per serving of the request."""
+    offset_tokens: Tokens
+    """Tokens of the answer before this chunk."""
+    num_tokens: Tokens
+    """Tokens this chunk adds."""
     text: str = ""
 
 
@@ -385,7 +432,7 @@ def _edge_error(exc: msgspec.DecodeError) -> SchemaError:
     if isinstance(exc, msgspec.ValidationError):
         if "`$.type`" in text or "Object missing required field `type`" in text:
             return SchemaError(ErrorCode.BAD_VERSION, text)
-        if any(op in text for op in (">=", "<=", "length")):
+        if any(op in text for op in (">=", "<=", "` >", "` <", "length")):
             return SchemaError(ErrorCode.INVALID, text)
         if "Expected `" in text or "missing required field" in text or "unknown field" in text:
             return SchemaError(ErrorCode.BAD_SCHEMA, text)
@@ -425,6 +472,6 @@ def decode(data: bytes, kind: type[msgspec.Struct] | object) -> msgspec.Struct:
         raise _edge_error(exc) from None
 
 
-def decode_reply(data: bytes) -> Reply | ErrorReply | Pong:
+def decode_reply(data: bytes) -> Reply | ErrorReply | Pong | ReplyChunk:
     """Decode what comes back to a client. Pure; raises `SchemaError`."""
-    return decode(data, Reply | ErrorReply | Pong)  # type: ignore[return-value]
+    return decode(data, Reply | ErrorReply | Pong | ReplyChunk)  # type: ignore[return-value]

@@ -4,6 +4,13 @@ A backend owns one replica's requests. `add(job, now_s)` hands it a request and 
 finished by then (the echo backend finishes at once); `next_event_s()` says when on the clock it next
 needs `advance(now_s)`, which returns what finished. The engine worker owns the clock and the timing
 loop, so a vLLM backend fits behind the same interface: its `advance` would collect finished outputs.
+
+Streaming: `generated_tokens(seq, now_s)` says how many tokens an unfinished job has produced by now
+and `text(seq, start, stop)` gives the text of tokens [start, stop) of its answer; the engine worker
+sends the new ones to a streaming client as chunks. The `sim` and `echo` backends have no model, so
+their answers are deterministic placeholder text (`placeholder_text`), the same for every request;
+they cannot honour sampling fields (temperature, top_p, seed, stop) either: those reach the engine in
+the `Dispatch` for the vLLM backend to come, and these two ignore them.
 """
 
 from __future__ import annotations
@@ -16,6 +23,25 @@ from oserve.defaults import GPUS_PER_NODE
 from oserve.perfmodel import PerfModel
 from oserve.engine_model import SimReplica, SimRequest
 from oserve.specs import EngineConfig, MemoryConfig, ReplicaShape, gpu_preset, kv_capacity_tokens, model_preset
+
+
+_PLACEHOLDER_WORDS = ("This", " is", " placeholder", " text", " from", " a", " simulated", " engine", ".", " ")
+PLACEHOLDER_TEXT_TOKENS = 8192
+"""Tokens of an answer that get placeholder text; later ones are empty, so a reply stays far below the
+message limit (8192 tokens of at most 12 bytes: under 100 KiB) whatever max tokens says."""
+_PLACEHOLDER = [_PLACEHOLDER_WORDS[i % len(_PLACEHOLDER_WORDS)] for i in range(PLACEHOLDER_TEXT_TOKENS)]
+_PLACEHOLDER_TEXT = "".join(_PLACEHOLDER)
+_PLACEHOLDER_OFFSETS = [0]  # token i's text starts at this character of _PLACEHOLDER_TEXT
+for _word in _PLACEHOLDER:
+    _PLACEHOLDER_OFFSETS.append(_PLACEHOLDER_OFFSETS[-1] + len(_word))
+
+
+def placeholder_text(start_tokens: int, stop_tokens: int) -> str:
+    """Text of tokens [start, stop) of a simulated answer: a fixed cycle of words, one per token, the
+    same for every request (a placeholder until a real model backend writes answers). Pure, O(1)."""
+    cap = PLACEHOLDER_TEXT_TOKENS
+    a, b = min(max(start_tokens, 0), cap), min(max(stop_tokens, 0), cap)
+    return _PLACEHOLDER_TEXT[_PLACEHOLDER_OFFSETS[a]:_PLACEHOLDER_OFFSETS[b]] if b > a else ""
 
 
 @dataclass(slots=True)
@@ -31,6 +57,8 @@ class Job:
     output_tokens: int = 0
     """Tokens the simulated model answers with (`Dispatch.sim_output_tokens`, capped at max_tokens); 0:
     max_tokens. Only the `sim` and `echo` backends read it."""
+    stream: bool = False
+    """The client streams the answer: the engine asks `generated_tokens` as it goes."""
 
     @property
     def answer_tokens(self) -> int:
@@ -64,9 +92,24 @@ class Backend(Protocol):
 
     def load(self) -> Load: ...
 
+    def generated_tokens(self, seq: int, now_s: float) -> int:
+        """Tokens the unfinished job `seq` has produced by `now_s` (0 for one it does not hold)."""
+        ...
+
+    def text(self, seq: int, start_tokens: int, stop_tokens: int) -> str:
+        """Text of tokens [start, stop) of job `seq`'s answer (asked until its `Finished` is handled)."""
+        ...
+
 
 class EchoBackend:
-    """Zero-cost engine: every request finishes the moment it arrives (for the bus benchmark)."""
+    """Zero-cost engine: every request finishes the moment it arrives (for the bus benchmark), with
+    placeholder text; sampling fields are ignored (see the module docstring)."""
+
+    def generated_tokens(self, seq: int, now_s: float) -> int:
+        return 0  # nothing is ever unfinished here
+
+    def text(self, seq: int, start_tokens: int, stop_tokens: int) -> str:
+        return placeholder_text(start_tokens, stop_tokens)
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
         return [Finished(job.seq, job.answer_tokens, now_s, now_s)]
@@ -94,7 +137,12 @@ class SimBackendConfig:
 
 
 class SimBackend:
-    """A `SimReplica` driven on the worker's clock: continuous batching timed by the performance model."""
+    """A `SimReplica` driven on the worker's clock: continuous batching timed by the performance model.
+
+    Its answers are placeholder text (`placeholder_text`), its tokens produced when the simulated
+    replica produces them: the first at the end of the prompt's last prefill step, then one per decode
+    step, read from the replica's decode aggregate between step ends (`SimReplica.generated_tokens`)
+    without cutting its runs, so streaming changes no timing. Sampling fields are ignored."""
 
     def __init__(self, replica_id: str, config: SimBackendConfig = SimBackendConfig()) -> None:
         model, gpu = model_preset(config.model), gpu_preset(config.gpu)
@@ -103,10 +151,14 @@ class SimBackend:
         perf = PerfModel(model, gpu, gpus_per_node=config.gpus_per_node)
         self.replica = SimReplica(replica_id, shape, perf.timer(shape), engine,
                                   kv_capacity_tokens(model, gpu, shape, memory), memory.block_tokens)
+        self._streamed: dict[int, SimRequest] = {}  # seq -> unfinished request a client streams
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
         done = self.advance(now_s)  # the kernel's order: step ends up to now first, then the arrival
-        self.replica.enqueue(SimRequest(job.seq, job.type_index, now_s, job.input_tokens, job.answer_tokens), now_s)
+        req = SimRequest(job.seq, job.type_index, now_s, job.input_tokens, job.answer_tokens)
+        if job.stream:
+            self._streamed[job.seq] = req
+        self.replica.enqueue(req, now_s)
         return done + self._rejected()
 
     def advance(self, now_s: float) -> list[Finished]:
@@ -115,6 +167,9 @@ class SimBackend:
         while rep.busy and rep.step_end_s <= now_s:
             outcome = rep.on_step_end(rep.step_end_s)
             out += [Finished(r.request_id, r.generated, r.first_token_s, r.finish_s) for r in outcome.finished]
+        if self._streamed:
+            for f in out:
+                self._streamed.pop(f.seq, None)
         return out + self._rejected()
 
     def _rejected(self) -> list[Finished]:
@@ -123,8 +178,17 @@ class SimBackend:
             return []
         out = [Finished(r.request_id, 0, math.nan, math.nan, "request can never fit in this replica's KV cache")
                for r in rep.rejected]
+        for r in rep.rejected:
+            self._streamed.pop(r.request_id, None)
         rep.rejected.clear()
         return out
+
+    def generated_tokens(self, seq: int, now_s: float) -> int:
+        req = self._streamed.get(seq)
+        return 0 if req is None else self.replica.generated_tokens(req, now_s)
+
+    def text(self, seq: int, start_tokens: int, stop_tokens: int) -> str:
+        return placeholder_text(start_tokens, stop_tokens)
 
     def next_event_s(self) -> float | None:
         return self.replica.step_end_s if self.replica.busy else None

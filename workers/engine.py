@@ -15,6 +15,10 @@
   was left with `shutting_down` errors instead (an engine host's orderly stop).
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`; load and latency as `Telemetry` every
   `telemetry_interval_s` of clock time.
+- Streaming (`Dispatch.stream`): `ReplyChunk`s go to the reply inbox as the backend produces tokens (the
+  first as soon as a step end shows it, then at most one per `stream_interval_s` of clock time, and the
+  rest just before the final `Reply`, which carries the whole text and alone ends the answer). Only the
+  first inbox gets chunks; duplicates get the final `Reply` as above, so exactly once still holds for it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from opentelemetry.trace import Span, SpanKind, Tracer
 from oserve.errors import ConfigError
 from oserve.observability.tracing import extract, inject, trace_headers
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Completed, Completion, Dispatch, ErrorCode, ErrorReply,
-                                    Heartbeat, Reply, SchemaError, Telemetry, decode, encode)
+                                    Heartbeat, Reply, ReplyChunk, SchemaError, Telemetry, decode, encode)
 from oserve.streams.subjects import Subjects, dedupe_key
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
@@ -59,13 +63,15 @@ class EngineWorkerConfig:
     dedupe_capacity: int = 100_000
     """Answered request ids remembered (with their replies) for de-duplication."""
     drain_timeout_wall_s: float = 30.0
+    stream_interval_s: float = 0.05
+    """Clock seconds between two chunks of a streamed answer (a few decode steps of a 7B model)."""
 
     def __post_init__(self) -> None:
         self.subjects.replica(self.replica_id)  # validates the id as a subject token
         if self.backend not in ("sim", "echo"):
             raise ConfigError(f"EngineWorkerConfig.backend must be sim or echo, got {self.backend!r}")
         for name in ("heartbeat_interval_wall_s", "completion_flush_wall_s", "telemetry_interval_s",
-                     "drain_timeout_wall_s"):
+                     "drain_timeout_wall_s", "stream_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dedupe_capacity < 1:
@@ -82,6 +88,11 @@ class _InFlight:
     """Other reply subjects that asked for the same request while it ran (a client's retry)."""
     key: str = ""
     """The de-duplication key (`dedupe_key`)."""
+    sent_tokens: int = 0
+    """Streamed requests: tokens already sent in chunks."""
+    num_chunks: int = 0
+    last_chunk_s: float = float("-inf")
+    """Clock time of the last chunk sent."""
 
 
 class EngineWorker(Worker):
@@ -107,6 +118,8 @@ class EngineWorker(Worker):
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
+        self._streams: set[int] = set()  # seqs of in-flight requests whose client streams the answer
+        self._chunk_tick_s: float | None = None  # clock time of the next chunk pass, while any streams
         # counters
         self.num_received = 0
         self.num_answered = 0
@@ -146,6 +159,7 @@ class EngineWorker(Worker):
         """
         inflight, self._inflight = self._inflight, {}
         self._by_id.clear()
+        self._streams.clear()
         self._idle.set()
         for item in inflight.values():
             job = item.job
@@ -203,7 +217,7 @@ class EngineWorker(Worker):
         now_s = self.clock.now_s()
         self._seq += 1
         job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s,
-                  d.sim_output_tokens or 0)
+                  d.sim_output_tokens or 0, stream=d.stream)
         span = None
         if self.tracer is not None:
             span = self.tracer.start_span("engine.serve", context=extract(msg.headers), kind=SpanKind.CONSUMER,
@@ -215,11 +229,43 @@ class EngineWorker(Worker):
                                             key=key)
         self._by_id[key] = job.seq
         self._idle.clear()
+        if d.stream:
+            self._streams.add(job.seq)
+            if self._chunk_tick_s is None:
+                self._chunk_tick_s = now_s + self.config.stream_interval_s
+                self._wake.set()  # the step loop must wake for chunk passes too
         done = self.backend.add(job, now_s)
         if done:
             await self._finish(done)
         if self.backend.next_event_s() != self._waiting_for_s:
             self._wake.set()  # the step loop sleeps towards a stale time
+
+    async def _send_chunk(self, item: _InFlight, tokens: int, now_s: float) -> None:
+        """Send the tokens of a streamed answer produced since its last chunk, up to `tokens`."""
+        job = item.job
+        chunk = ReplyChunk(request_id=job.request_id, replica_id=self.config.replica_id, index=item.num_chunks,
+                           offset_tokens=item.sent_tokens, num_tokens=tokens - item.sent_tokens,
+                           text=self.backend.text(job.seq, item.sent_tokens, tokens))
+        item.sent_tokens, item.last_chunk_s = tokens, now_s
+        item.num_chunks += 1
+        if item.reply:
+            await self.nc.publish(item.reply, encode(chunk))
+
+    async def _send_chunks(self, now_s: float) -> None:
+        """One chunk pass: each streamed request with new tokens gets them, at most once per interval
+        after its first chunk (which goes as soon as a token shows)."""
+        interval_s = self.config.stream_interval_s
+        for seq in list(self._streams):
+            item = self._inflight.get(seq)
+            if item is None:
+                self._streams.discard(seq)
+                continue
+            if item.num_chunks and now_s - item.last_chunk_s < interval_s * 0.999:
+                continue
+            tokens = self.backend.generated_tokens(seq, now_s)
+            if tokens > item.sent_tokens:
+                await self._send_chunk(item, tokens, now_s)
+        self._chunk_tick_s = now_s + interval_s if self._streams else None
 
     async def _finish(self, done: list[Finished]) -> None:
         for f in done:
@@ -228,14 +274,19 @@ class EngineWorker(Worker):
                 continue
             job = item.job
             del self._by_id[item.key]
+            streamed = job.seq in self._streams
+            self._streams.discard(job.seq)
             if f.error:
                 payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.INVALID, message=f.error))
                 self._released.append(job.request_id)
             else:
                 ttft_s, e2e_s = f.first_token_s - job.arrival_s, f.finish_s - job.arrival_s
+                if streamed and f.output_tokens > item.sent_tokens:  # the rest before the final reply
+                    await self._send_chunk(item, f.output_tokens, f.finish_s)
                 payload = encode(Reply(request_id=job.request_id, replica_id=self.config.replica_id,
                                        input_tokens=job.input_tokens, output_tokens=f.output_tokens,
-                                       type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s))
+                                       type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
+                                       text=self.backend.text(job.seq, 0, f.output_tokens)))
                 self._completions.append(Completion(
                     request_id=job.request_id, replica_id=self.config.replica_id, input_tokens=job.input_tokens,
                     output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
@@ -263,6 +314,9 @@ class EngineWorker(Worker):
         while True:
             self._wake.clear()
             next_s = self._waiting_for_s = self.backend.next_event_s()
+            tick_s = self._chunk_tick_s  # None unless a streamed request is in flight
+            if tick_s is not None and (next_s is None or tick_s < next_s):
+                next_s = tick_s
             if next_s is None:
                 await self._wake.wait()
                 continue
@@ -273,9 +327,14 @@ class EngineWorker(Worker):
                     continue  # an arrival changed the schedule
                 except TimeoutError:
                     pass
-            done = self.backend.advance(self.clock.now_s())
+            now_s = self.clock.now_s()
+            done = self.backend.advance(now_s)
             if done:
                 await self._finish(done)
+            if self._streams:
+                await self._send_chunks(now_s)
+            else:
+                self._chunk_tick_s = None
 
     async def _flush_completions(self) -> None:
         items, self._completions = self._completions, []
