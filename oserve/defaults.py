@@ -22,5 +22,8 @@ one drains on its old replica (most finish while the switch runs) or is recomput
 Re-prefilling 512 tokens of Llama-2-70B on TP4 costs 46 ms in the performance model; copying their KV
 over NVLink at 80% of 400 GB/s costs 0.13 ms plus the hand-off, so long contexts are worth moving."""
 
-WORKER_NAMES: tuple[str, ...] = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
-"""The services of the live pipeline, as `oserve worker NAME` and `SystemConfig.workers` name them."""
+WORKER_NAMES: tuple[str, ...] = ("gateway", "engines", "forecaster", "scheduler", "switch-planner", "http")
+"""The services of the live pipeline, as `oserve worker NAME` and `SystemConfig.workers` name them
+(`http`: the OpenAI-compatible HTTP front, a client of the gateway)."""
+HTTP_PORT = 8000
+"""Port of `oserve up`'s OpenAI-compatible HTTP front (vLLM's default)."""

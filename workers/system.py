@@ -93,6 +93,10 @@ class SystemConfig:
     the 3-node cluster of `deploy/k8s`."""
     tracing: TracingConfig = field(default_factory=TracingConfig)
     workers: tuple[str, ...] = WORKER_NAMES
+    http_host: str = "127.0.0.1"
+    """Address the OpenAI-compatible HTTP front (`http` worker) listens on."""
+    http_port: int = 0
+    """Its TCP port; 0 takes a free one (`LiveSystem.http.port`), as tests want; `oserve up` gives 8000."""
 
     def __post_init__(self) -> None:
         if not set(self.workers) <= set(WORKER_NAMES):
@@ -113,6 +117,8 @@ class SystemConfig:
                               f"{self.lstm_lookback_spans}, {self.lstm_retrain_every_spans}")
         if not 1 <= self.js_replicas <= 5:
             raise ConfigError(f"SystemConfig.js_replicas must be in 1..5, got {self.js_replicas}")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"SystemConfig.http_port must be in 0..65535, got {self.http_port}")
         if self.history_minutes is not None and not self.history_minutes > 0:
             raise ConfigError(f"SystemConfig.history_minutes must be > 0, got {self.history_minutes}")
 
@@ -190,6 +196,7 @@ class LiveSystem:
         self.forecaster: ForecasterStage | None = None
         self.scheduler: SchedulerWorker | None = None
         self.switcher: SwitchPlannerWorker | None = None
+        self.http = None  # the OpenAI-compatible front (`OpenAIFront`), when `http` is among the workers
 
     async def start(self) -> None:
         cfg, tracer, clock, nc = self.config, self.tracing.tracer, self.clock, self.nc
@@ -225,9 +232,17 @@ class LiveSystem:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
                                              self.inputs.planner, self.inputs.initial_rps, tracer=tracer)
             await self.scheduler.start()
+        if "http" in w:  # a producer of requests: last; imported here, so FastAPI loads only when it serves
+            from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront
+
+            self.http = OpenAIFront(nc, HTTPFrontConfig(model_name=cfg.model, subjects=cfg.subjects,
+                                                        host=cfg.http_host, port=cfg.http_port))
+            await self.http.start()
 
     def _workers(self):
-        return [w for w in (self.gateway, self.forecaster, self.scheduler, self.switcher, self.host) if w is not None]
+        # the HTTP front first: it stops taking requests before the gateway does
+        return [w for w in (self.http, self.gateway, self.forecaster, self.scheduler, self.switcher, self.host)
+                if w is not None]
 
     async def drain(self) -> None:
         """Stop taking requests, finish every accepted one."""

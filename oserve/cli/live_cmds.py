@@ -11,7 +11,7 @@ import json
 import typer
 
 from oserve.cli import app, bench_app
-from oserve.defaults import WORKER_NAMES
+from oserve.defaults import HTTP_PORT, WORKER_NAMES
 from oserve.streams.server import redact_url  # noqa: F401  (re-exported: used here and by tests)
 
 
@@ -57,7 +57,8 @@ def bench_bus(
 
 def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,
                    otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
-                   history_minutes: float | None = None, js_replicas: int = 1):
+                   history_minutes: float | None = None, js_replicas: int = 1, http_host: str = "127.0.0.1",
+                   http_port: int = 0):
     from oserve.observability.tracing import TracingConfig
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import SystemConfig
@@ -65,7 +66,8 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
     return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
                         trace=trace, history_minutes=history_minutes,
                         tracing=TracingConfig(exporter=tracing, otlp_endpoint=otlp_endpoint),  # type: ignore[arg-type]
-                        workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas)
+                        workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas,
+                        http_host=http_host, http_port=http_port)
 
 
 async def _serve(url: str, config, duration_s: float, label: str, view: bool = False) -> None:
@@ -131,6 +133,11 @@ TRACING = typer.Option("none", help="Span exporter: none, console, otlp, or file
                                      "./traces.jsonl).")
 OTLP_ENDPOINT = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint.")
 DURATION_S = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C).")
+HTTP_PORT_OPTION = typer.Option(HTTP_PORT, "--http-port", envvar="OSERVE_HTTP_PORT",
+                                help="Port of the OpenAI-compatible HTTP front (the `http` worker); 0: a free "
+                                     "port; -1 (`oserve up` only): no HTTP front.")
+HTTP_HOST_OPTION = typer.Option("127.0.0.1", "--http-host", envvar="OSERVE_HTTP_HOST",
+                                help="Address the HTTP front listens on (0.0.0.0: every interface).")
 JS_REPLICAS = typer.Option(1, "--js-replicas", envvar="OSERVE_JS_REPLICAS",
                           help="Copies of each JetStream stream and bucket: 1 on one NATS server, 3 on a "
                                "3-node cluster.")
@@ -150,16 +157,19 @@ def up(
     otlp_endpoint: str = OTLP_ENDPOINT,
     duration_s: float = DURATION_S,
     view: bool = typer.Option(False, "--view", help="Show a live terminal view of replicas, forecast and plan."),
+    http_port: int = HTTP_PORT_OPTION,
+    http_host: str = HTTP_HOST_OPTION,
     js_replicas: int = JS_REPLICAS,
 ) -> None:
-    """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner."""
+    """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner, HTTP front."""
     import asyncio
 
     from oserve.streams.server import NatsServer
 
     _logging()
-    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint,
-                            js_replicas=js_replicas)
+    workers = WORKER_NAMES if http_port >= 0 else tuple(n for n in WORKER_NAMES if n != "http")
+    config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, workers,
+                            js_replicas=js_replicas, http_host=http_host, http_port=max(0, http_port))
     if nats_url:
         asyncio.run(_serve(nats_url, config, duration_s, "up", view))
         return
@@ -184,6 +194,8 @@ def worker(
     duration_s: float = DURATION_S,
     epoch: float = typer.Option(0.0, help="Unix time at which the shared clock reads 0; give every worker the "
                                            "same one (0: this process's start)."),
+    http_port: int = HTTP_PORT_OPTION,
+    http_host: str = HTTP_HOST_OPTION,
     js_replicas: int = JS_REPLICAS,
 ) -> None:
     """Run one worker against a NATS server (to spread the system over hosts)."""
@@ -195,7 +207,7 @@ def worker(
         raise ConfigError(f"unknown worker {name!r}; one of {', '.join(WORKER_NAMES)}")
     _logging()
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch,
-                            js_replicas=js_replicas)
+                            js_replicas=js_replicas, http_host=http_host, http_port=http_port)
     asyncio.run(_serve(nats_url, config, duration_s, name))
 
 

@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP front and token streaming on the bus, against a real nats-server.
+
+The front is driven with the official `openai` client; the bus parts (chunk schema, the client's `stream()`,
+the sim backend's token counts) are tested on their own too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import AsyncExitStack, aclosing
+from pathlib import Path
+
+import httpx2 as httpx
+import nats
+import openai
+import pytest
+
+from oserve.streams import schemas as sc
+from oserve.streams.client import NoGateway, OServeClient, RequestRejected
+from oserve.streams.testing import running_server, unique_subjects
+from oserve.workers.backends import Job, SimBackend, placeholder_text
+from oserve.workers.clock import Clock
+from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+from oserve.workers.gateway import Gateway, GatewayConfig
+from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront, chat_prompt, ChatMessage
+
+GOLDEN = Path(__file__).parent / "data" / "bus"
+MODEL = "llama2-7b"
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running_server()
+
+
+async def start(stack: AsyncExitStack, url: str, backend: str = "echo", speedup: float = 200.0,
+                front: bool = True, stream_interval_s: float = 0.02):
+    """A gateway, one engine and (with `front`) the HTTP front on a free port, all on one connection."""
+    subjects = unique_subjects("h")
+    nc = await nats.connect(url)
+    stack.push_async_callback(nc.close)
+    clock = Clock(speedup=speedup)
+    await stack.enter_async_context(EngineWorker(nc, EngineWorkerConfig(
+        "r0", subjects=subjects, backend=backend, heartbeat_interval_wall_s=0.05,  # type: ignore[arg-type]
+        stream_interval_s=stream_interval_s), clock))
+    gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects, no_replica_wait_wall_s=0),
+                                                 clock))
+    await gw.wait_for_replicas(1, 5.0)
+    client = OServeClient(nc, subjects, default_timeout_s=10.0)
+    http = None
+    if front:
+        http = await stack.enter_async_context(OpenAIFront(nc, HTTPFrontConfig(
+            model_name=MODEL, subjects=subjects, port=0, request_timeout_s=10.0)))
+    return nc, subjects, client, http
+
+
+def openai_client(front: OpenAIFront) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=front.url, api_key="x", max_retries=0, timeout=20.0)
+
+
+# --- the bus: schemas, the sim backend's tokens, the client's stream ------------------------------------
+
+
+def test_chunk_and_streaming_fields_round_trip_and_validate() -> None:
+    chunk = sc.ReplyChunk(request_id="q", replica_id="r0", index=0, offset_tokens=0, num_tokens=3, text="a b c")
+    assert sc.decode(sc.encode(chunk), sc.ReplyChunk) == chunk
+    assert isinstance(sc.decode_reply(sc.encode(chunk)), sc.ReplyChunk)
+    old = sc.decode(b'{"type":"dispatch.v1","request_id":"q","input_tokens":1,"max_tokens":2,"type_index":0,'
+                    b'"gateway_id":"g"}', sc.Dispatch)
+    assert isinstance(old, sc.Dispatch) and not old.stream and old.temperature is None and old.stop == []
+    ok = sc.decode_submit(json.dumps({"type": "submit.v1", "request_id": "q", "prompt": "hi", "stream": True,
+                                      "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n"]}).encode())
+    assert isinstance(ok, sc.SubmitRequest) and ok.stream and ok.stop == ["\n"]
+    for bad in ({"temperature": 2.5}, {"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5},
+                {"stop": ["a", "b", "c", "d", "e"]}, {"stop": [""]}, {"seed": 1 << 64}):
+        raw = json.dumps({"type": "submit.v1", "request_id": "q", "input_tokens": 3, **bad}).encode()
+        with pytest.raises(sc.SchemaError) as info:
+            sc.decode_submit(raw)
+        assert info.value.code == sc.ErrorCode.INVALID, bad
+
+
+def test_golden_streaming_messages_decode() -> None:
+    chunk = sc.decode((GOLDEN / "reply_chunk.v1.json").read_bytes(), sc.ReplyChunk)
+    assert isinstance(chunk, sc.ReplyChunk) and chunk.num_tokens == 4
+    sub = sc.decode_submit((GOLDEN / "submit.v1.stream.json").read_bytes())
+    assert isinstance(sub, sc.SubmitRequest) and sub.stream and sub.seed == 7
+    d = sc.decode((GOLDEN / "dispatch.v1.stream.json").read_bytes(), sc.Dispatch)
+    assert isinstance(d, sc.Dispatch) and d.stream and d.top_p == 0.95
+
+
+def test_placeholder_text_is_deterministic_and_splits_exactly() -> None:
+    whole = placeholder_text(0, 50)
+    assert whole == placeholder_text(0, 50) and whole.startswith("This is placeholder text")
+    assert placeholder_text(0, 17) + placeholder_text(17, 50) == whole
+    assert placeholder_text(5, 5) == "" and placeholder_text(10**7, 10**7 + 5) == ""
+
+
+def test_sim_backend_counts_tokens_as_the_replica_produces_them() -> None:
+    """Between step ends the count grows with the decode steps done, never past the answer, never down."""
+    backend = SimBackend("r0")
+    job = Job(1, "q", 200, 64, 0, 0.0, 0, stream=True)
+    assert backend.add(job, 0.0) == []
+    counts, now, finished = [], 0.0, []
+    while not finished:
+        t = backend.next_event_s()
+        assert t is not None
+        for frac in (0.25, 0.5, 0.75):  # reads inside the run in progress change nothing
+            counts.append(backend.generated_tokens(1, now + (t - now) * frac))
+        finished = backend.advance(t)
+        now = t
+        if not finished:
+            counts.append(backend.generated_tokens(1, now))
+    assert counts == sorted(counts) and counts[-1] <= 64 and finished[0].output_tokens == 64
+    assert len(set(counts)) > 3  # the count moves inside decode runs, not only at the end
+    assert backend.generated_tokens(1, now) == 0  # finished: no longer held
+
+
+async def test_client_stream_yields_chunks_then_the_reply(server) -> None:
+    async with AsyncExitStack() as stack:
+        _, _, client, _ = await start(stack, server.url, backend="sim", speedup=20.0, front=False)
+        parts = [p async for p in client.stream(prompt="x" * 400, max_tokens=40, timeout_s=10, temperature=0.5,
+                                                seed=1, stop=["."])]
+        *chunks, reply = parts
+        assert isinstance(reply, sc.Reply) and reply.output_tokens == 40 and reply.input_tokens == 100
+        assert len(chunks) >= 2 and all(isinstance(c, sc.ReplyChunk) for c in chunks)
+        assert "".join(c.text for c in chunks) == reply.text == placeholder_text(0, 40)
+        assert sum(c.num_tokens for c in chunks) == 40
+        assert [c.offset_tokens for c in chunks] == sorted(c.offset_tokens for c in chunks)
+        # a non-streamed request still gets one reply, with the same text
+        again = await client.submit(prompt="x" * 400, max_tokens=40, timeout_s=10)
+        assert again.text == reply.text
+        with pytest.raises(RequestRejected) as info:
+            async with aclosing(client.stream(input_tokens=10, max_tokens=10**7)) as parts_:
+                async for _ in parts_:
+                    pass
+        assert info.value.code == sc.ErrorCode.INVALID
+
+
+async def test_client_stream_without_a_gateway_raises_no_gateway(server) -> None:
+    nc = await nats.connect(server.url)
+    try:
+        client = OServeClient(nc, unique_subjects("h"))
+        with pytest.raises(NoGateway):
+            async for _ in client.stream(prompt="hi", max_tokens=4, timeout_s=2):
+                pass
+    finally:
+        await nc.close()
+
+
+# --- the HTTP front through the openai client -------------------------------------------------------------
+
+
+async def test_completions_and_chat_without_streaming(server) -> None:
+    async with AsyncExitStack() as stack:
+        _, _, _, front = await start(stack, server.url)
+        oa = openai_client(front)
+        c = await oa.completions.create(model=MODEL, prompt="Say hello", max_tokens=12, temperature=0.2, seed=5)
+        assert c.object == "text_completion" and c.model == MODEL and c.id.startswith("cmpl-")
+        assert c.choices[0].text == placeholder_text(0, 12) and c.choices[0].finish_reason == "length"
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (3, 12, 15)
+        chat = await oa.chat.completions.create(model=MODEL, max_tokens=20, extra_body={"sim_output_tokens": 7},
+                                                messages=[{"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": "Hi!"}])
+        msg = chat.choices[0]
+        assert chat.object == "chat.completion" and msg.message.role == "assistant"
+        assert msg.message.content == placeholder_text(0, 7) and msg.finish_reason == "stop"
+        prompt = chat_prompt([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi!")])
+        assert prompt == "system: Be brief.\nuser: Hi!\nassistant:"
+        assert chat.usage.prompt_tokens == math.ceil(len(prompt.encode()) / sc.BYTES_PER_TOKEN)
+        assert chat.usage.completion_tokens == 7
+
+
+async def test_streaming_completions_and_chat(server) -> None:
+    async with AsyncExitStack() as stack:
+        _, _, _, front = await start(stack, server.url, backend="sim", speedup=20.0)
+        oa = openai_client(front)
+        chunks = [c async for c in await oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=48, stream=True,
+            stream_options={"include_usage": True})]
+        texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert len(texts) >= 2  # tokens arrived in several chunks before the last one
+        assert "".join(texts) == placeholder_text(0, 48)
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finals == ["length"] and chunks[0].choices[0].delta.role == "assistant"
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 48 and usage.total_tokens == usage.prompt_tokens + 48
+        parts = [c async for c in await oa.completions.create(model=MODEL, prompt="Once", max_tokens=30, stream=True,
+                                                              extra_body={"sim_output_tokens": 20})]
+        assert "".join(p.choices[0].text for p in parts) == placeholder_text(0, 20)
+        assert parts[-1].choices[0].finish_reason == "stop" and len(parts) >= 3
+
+
+async def test_models_and_health(server) -> None:
+    async with AsyncExitStack() as stack:
+        _, _, _, front = await start(stack, server.url)
+        oa = openai_client(front)
+        models = await oa.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+        assert (await oa.models.retrieve(MODEL)).id == MODEL
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.get(f"http://127.0.0.1:{front.port}/health")
+            assert r.status_code == 200 and r.json()["num_replicas"] == 1
+
+
+async def test_health_is_503_without_a_gateway(server) -> None:
+    nc = await nats.connect(server.url)
+    try:
+        async with OpenAIFront(nc, HTTPFrontConfig(subjects=unique_subjects("h"), port=0, health_timeout_s=0.5)) as front:
+            async with httpx.AsyncClient(timeout=10) as http:
+                r = await http.get(f"http://127.0.0.1:{front.port}/health")
+            assert r.status_code == 503 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+            with pytest.raises(openai.InternalServerError) as info:  # 503: no gateway on the bus
+                await openai_client(front).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert info.value.status_code == 503
+    finally:
+        await nc.close()
+
+
+async def test_errors_come_in_openai_shape(server) -> None:
+    async with AsyncExitStack() as stack:
+        _, _, _, front = await start(stack, server.url)
+        oa = openai_client(front)
+        with pytest.raises(openai.NotFoundError) as nf:
+            await oa.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+        assert nf.value.code == "model_not_found" and nf.value.body["param"] == "model"
+        with pytest.raises(openai.BadRequestError) as bad:
+            await oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+        assert bad.value.body["param"] == "n" and "n > 1" in bad.value.body["message"]
+        with pytest.raises(openai.BadRequestError):
+            await oa.completions.create(model=MODEL, prompt="hi", temperature=3.0)
+        with pytest.raises(openai.BadRequestError) as unknown:
+            await oa.completions.create(model=MODEL, prompt="hi", extra_body={"frobnicate": 1})
+        assert unknown.value.body["param"] == "frobnicate"
+        with pytest.raises(openai.BadRequestError) as long_:
+            await oa.completions.create(model=MODEL, prompt="x" * (sc.MAX_MESSAGE_BYTES + 10), max_tokens=2)
+        assert long_.value.code == "context_length_exceeded"
+        with pytest.raises(openai.BadRequestError) as ctx:  # the gateway's context-window rule
+            await oa.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+        assert ctx.value.code == sc.ErrorCode.INVALID
+        with pytest.raises(openai.BadRequestError) as in_stream:  # refused before the stream starts: a 400
+            await oa.completions.create(model=MODEL, prompt="hi", max_tokens=10**6, stream=True)
+        assert in_stream.value.status_code == 400
+        async with httpx.AsyncClient(timeout=10) as http:
+            base = f"http://127.0.0.1:{front.port}"
+            for body in (b"{not json", b"[1, 2]", json.dumps({"model": MODEL}).encode()):
+                r = await http.post(f"{base}/v1/completions", content=body,
+                                    headers={"content-type": "application/json"})
+                assert r.status_code == 400, body
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            r = await http.get(f"{base}/v1/nothing")
+            assert r.status_code == 404 and "error" in r.json()
