@@ -204,10 +204,14 @@ class OServeClient:
         if self.tracer is not None:  # only a traced client needs OpenTelemetry (the server extra)
             from opentelemetry.trace import SpanKind, Status, StatusCode
 
-            from oserve.observability.tracing import inject
+            from oserve.observability.tracing import inject, messaging_attributes, messaging_span_name
 
-            span = self.tracer.start_span("client.submit", kind=SpanKind.CLIENT,
-                                          attributes={"oserve.request_id": request_id})
+            subject = self.subjects.submit()
+            span = self.tracer.start_span(messaging_span_name("publish", subject), kind=SpanKind.CLIENT,
+                                          attributes={"oserve.step": "client.submit", "oserve.request_id": request_id,
+                                                      **messaging_attributes(subject, "send", "publish",
+                                                                             message_id=request_id,
+                                                                             body_size_bytes=len(payload))})
         try:
             try:
                 msg = await self.nc.request(self.subjects.submit(), payload, timeout=timeout,
@@ -224,6 +228,10 @@ class OServeClient:
                 raise RequestRejected(answer.request_id or request_id, answer.code, answer.message)
             if isinstance(answer, ReplyChunk):
                 raise ClientError(f"request {request_id or '?'}: the answer is streamed; use stream()")
+            if span is not None and isinstance(answer, Reply):
+                span.set_attributes({"gen_ai.operation.name": "text_completion",
+                                     "gen_ai.usage.input_tokens": answer.input_tokens,
+                                     "gen_ai.usage.output_tokens": answer.output_tokens})
             return answer
         except ClientError as exc:
             if span is not None:

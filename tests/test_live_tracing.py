@@ -22,6 +22,11 @@ def server():
     yield from running_server()
 
 
+def step(span) -> str:
+    """The pipeline step a span stands for (`oserve.step`); its name follows the OpenTelemetry conventions."""
+    return (span.attributes or {}).get("oserve.step", span.name)
+
+
 async def traced_gateway(stack: AsyncExitStack, url: str, tracer):
     """A traced gateway and one traced engine on fresh subjects: (connection, subjects, gateway, client)."""
     subjects = unique_subjects()
@@ -73,21 +78,21 @@ def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
     spans = setup.exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
-    clients = [s for s in spans if s.name == "client.submit" and s.attributes["oserve.request_id"].startswith("t")]
+    clients = [s for s in spans if step(s) == "client.submit" and s.attributes["oserve.request_id"].startswith("t")]
     assert len(clients) == 3
     for c in clients:
         assert c.kind == SpanKind.CLIENT and c.parent is None
         trace_spans = [s for s in spans if s.context.trace_id == c.context.trace_id]
-        assert sorted(s.name for s in trace_spans) == ["client.submit", "engine.serve", "gateway.route"]
-        gw = next(s for s in trace_spans if s.name == "gateway.route")
-        eng = next(s for s in trace_spans if s.name == "engine.serve")
+        assert sorted(step(s) for s in trace_spans) == ["client.submit", "engine.serve", "gateway.route"]
+        gw = next(s for s in trace_spans if step(s) == "gateway.route")
+        eng = next(s for s in trace_spans if step(s) == "engine.serve")
         assert gw.parent.span_id == c.context.span_id and gw.parent.is_remote
         assert eng.parent.span_id == gw.context.span_id and by_id[eng.parent.span_id] is gw
         assert eng.attributes["oserve.request_id"] == c.attributes["oserve.request_id"]
         assert c.start_time <= gw.start_time <= eng.start_time <= eng.end_time <= c.end_time
     # a refused request is one trace too, its gateway span marked as an error with an event
-    bad = next(s for s in spans if s.name == "client.submit" and s.attributes["oserve.request_id"] == "bad")
-    bad_gw = next(s for s in spans if s.name == "gateway.route" and s.context.trace_id == bad.context.trace_id)
+    bad = next(s for s in spans if step(s) == "client.submit" and s.attributes["oserve.request_id"] == "bad")
+    bad_gw = next(s for s in spans if step(s) == "gateway.route" and s.context.trace_id == bad.context.trace_id)
     assert not bad_gw.status.is_ok and bad_gw.events[0].name == "invalid_request"
     setup.shutdown()
 
@@ -111,8 +116,8 @@ def test_a_request_span_links_to_the_switch_that_put_its_assignment_in_force(ser
 
     asyncio.run(asyncio.wait_for(main(), 30))
     spans = setup.exporter.get_finished_spans()
-    switch = next(s for s in spans if s.name == "switch.execute")
-    routed = {s.attributes["oserve.request_id"]: s for s in spans if s.name == "gateway.route"}
+    switch = next(s for s in spans if step(s) == "switch.execute")
+    routed = {s.attributes["oserve.request_id"]: s for s in spans if step(s) == "gateway.route"}
     assert not routed["before"].links  # no strategy in force yet
     (link,) = routed["after"].links
     assert link.context.span_id == switch.context.span_id and link.context.trace_id == switch.context.trace_id
@@ -180,10 +185,10 @@ def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -
 
     asyncio.run(asyncio.wait_for(main(), 30))
     spans = setup.exporter.get_finished_spans()
-    forecast = next(s for s in spans if s.name == "forecast.made")
+    forecast = next(s for s in spans if step(s) == "forecast.made")
     same = [s for s in spans if s.context.trace_id == forecast.context.trace_id]
-    decide = next(s for s in same if s.name == "scheduler.decide")
-    switch = next(s for s in same if s.name == "switch.execute")
+    decide = next(s for s in same if step(s) == "scheduler.decide")
+    switch = next(s for s in same if step(s) == "switch.execute")
     assert forecast.parent is None
     assert decide.parent.span_id == forecast.context.span_id
     assert switch.parent.span_id == decide.context.span_id
@@ -218,3 +223,118 @@ def test_live_view_folds_telemetry_and_plan_events() -> None:
     console.print(view.render())
     text = console.export_text()
     assert "r0=TP2xPP1" in text and "serving: s1" in text
+
+
+def test_each_worker_is_a_service_and_spans_follow_the_genai_and_messaging_conventions(server) -> None:
+    import numpy as np
+
+    from oserve.traces import load_trace
+    from oserve.workers.system import LiveSystem, SystemConfig, planning_inputs
+
+    subjects = unique_subjects()
+    config = SystemConfig(subjects=subjects, span_s=10.0, speedup=20.0, heartbeat_interval_wall_s=0.1,
+                          forecaster="last_value", twin=False, tracing=TracingConfig(exporter="memory"))
+    inputs = planning_inputs(config, load_trace("azure-conv").slice_time(0.0, 600.0), initial_rps=np.ones(4))
+
+    async def main():
+        nc = await nats.connect(server.url)
+        try:
+            async with LiveSystem(nc, config, inputs) as system:
+                await system.wait_serving(20)
+                client = OServeClient(nc, subjects, tracer=system.tracing.tracer)
+                for i in range(3):
+                    await client.submit(input_tokens=100, max_tokens=40, sim_output_tokens=5 + i,
+                                        request_id=f"g{i}", timeout_s=10)
+                while system.forecaster.num_events < 1 or len(system.scheduler.strategies) < 2:
+                    await asyncio.sleep(0.02)
+                return system.tracing.exporter
+        finally:
+            await nc.close()
+
+    exporter = asyncio.run(asyncio.wait_for(main(), 60))
+    spans = exporter.get_finished_spans()
+    service = {step(s): s.resource.attributes["service.name"] for s in spans}
+    assert service["client.submit"] == "oserve"
+    assert service["gateway.route"] == "oserve-gateway" and service["engine.serve"] == "oserve-engine"
+    assert service["forecast.made"] == "oserve-forecaster" and service["scheduler.decide"] == "oserve-scheduler"
+    assert service["switch.execute"] == "oserve-switch-planner"
+    for s in spans:
+        res = s.resource.attributes
+        assert res["service.namespace"] == "oserve" and res["service.version"] and res["service.instance.id"]
+        assert not any("password" in k or "secret" in k for k in s.attributes)  # no secret in an attribute
+    ids = {s.resource.attributes["service.name"]: s.resource.attributes["service.instance.id"] for s in spans}
+    assert len(set(ids.values())) == len(ids)  # one instance per service
+    # one request's trace: a messaging send, a messaging process, the GenAI inference span
+    engine = next(s for s in spans if step(s) == "engine.serve" and s.attributes["oserve.request_id"] == "g2")
+    same = {step(s): s for s in spans if s.context.trace_id == engine.context.trace_id}
+    client, gateway = same["client.submit"], same["gateway.route"]
+    submit = subjects.submit()
+    assert client.name == f"publish {submit}" and gateway.name == f"process {submit}"
+    assert engine.name == "text_completion llama2-7b"
+    for s, op in ((client, "send"), (gateway, "process"), (engine, "process")):
+        assert s.attributes["messaging.system"] == "nats" and s.attributes["messaging.operation.type"] == op
+        assert s.attributes["messaging.message.id"] == "g2" and s.attributes["messaging.message.body.size"] > 0
+    assert client.attributes["messaging.destination.name"] == gateway.attributes["messaging.destination.name"] == submit
+    assert engine.attributes["messaging.destination.name"].startswith(f"{subjects.prefix}.")
+    a = engine.attributes
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.provider.name"] == "oserve"
+    assert a["gen_ai.request.model"] == "llama2-7b" and a["gen_ai.request.max_tokens"] == 40
+    assert a["gen_ai.usage.input_tokens"] == 100 and a["gen_ai.usage.output_tokens"] == 7
+    assert a["gen_ai.response.finish_reasons"] == ("stop",)
+    assert gateway.attributes["gen_ai.request.max_tokens"] == 40
+    assert client.attributes["gen_ai.usage.output_tokens"] == 7
+    # the re-plan's spans are messaging spans of the plan subjects
+    forecast = next(s for s in spans if step(s) == "forecast.made")
+    assert forecast.name == f"publish {subjects.plan_event('forecast')}"
+    assert forecast.attributes["messaging.operation.type"] == "send"
+    decide = next(s for s in spans if step(s) == "scheduler.decide" and s.attributes["oserve.span_index"] >= 0)
+    assert decide.name == f"process {subjects.plan_event('forecast')}"
+    switch = next(s for s in spans if step(s) == "switch.execute")
+    assert switch.name == f"process {subjects.plan_event('strategy')}"
+    assert switch.attributes["messaging.message.id"] == switch.attributes["oserve.strategy_id"]
+
+
+def test_the_otel_environment_wins_over_the_cli_defaults_and_a_flag_over_both(monkeypatch) -> None:
+    from oserve.cli.live_cmds import _system_config
+
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED",
+                 "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER",
+                 "OTEL_TRACES_SAMPLER_ARG"):
+        monkeypatch.delenv(name, raising=False)
+    args = ("oserve", "llama2-7b", 8, 1.0, 60.0, "azure-conv")
+    plain = _system_config(*args, "", "").tracing
+    assert plain.exporter == "none" and plain.otlp_endpoint == "http://127.0.0.1:4318/v1/traces"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "shop-llm")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,team=ml%20infra")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/")
+    up = _system_config(*args, "", "").tracing  # an endpoint in the environment turns the otlp exporter on
+    assert up.exporter == "otlp" and up.otlp_endpoint == "http://collector:4318/v1/traces"
+    assert up.service_name_for("gateway") == "shop-llm-gateway"  # several workers: the stem of each name
+    one = _system_config(*args, "", "", ("gateway",)).tracing
+    assert one.service_name_for("gateway") == "shop-llm"  # one worker: the name itself
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://jaeger:4318/v1/traces")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    env = _system_config(*args, "", "").tracing
+    assert env.exporter == "console" and env.otlp_endpoint == "http://jaeger:4318/v1/traces"
+    assert env.sampler == "parentbased_traceidratio" and env.sampler_ratio == 0.25
+    flags = _system_config(*args, "otlp", "http://elsewhere:4318/v1/traces").tracing
+    assert flags.exporter == "otlp" and flags.otlp_endpoint == "http://elsewhere:4318/v1/traces"
+    # what the exporter and the resources get
+    setup = setup_tracing(flags)
+    try:
+        assert setup.exporter._endpoint == "http://elsewhere:4318/v1/traces"
+        setup.tracer_for("scheduler")
+        res = setup.providers["shop-llm-scheduler"].resource.attributes
+        assert res["service.name"] == "shop-llm-scheduler" and res["service.namespace"] == "oserve"
+        assert res["deployment.environment"] == "staging" and res["team"] == "ml infra"
+        assert "traceidratio" in setup.provider.sampler.get_description().lower()
+    finally:
+        setup.shutdown()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert _system_config(*args, "", "").tracing.exporter == "none"
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        _system_config(*args, "", "")

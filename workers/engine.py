@@ -31,10 +31,12 @@ from typing import Literal
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from opentelemetry.trace import Span, SpanKind, Tracer
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from oserve.errors import ConfigError
-from oserve.observability.tracing import extract, inject, trace_headers
+from oserve.observability.metrics import Metrics
+from oserve.observability.tracing import (GEN_AI_PROVIDER, extract, genai_span_name, inject, messaging_attributes,
+                                          trace_headers)
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Completed, Completion, Dispatch, ErrorCode, ErrorReply,
                                     Heartbeat, Reply, ReplyChunk, SchemaError, Telemetry, decode, encode)
 from oserve.streams.subjects import Subjects, dedupe_key
@@ -101,9 +103,11 @@ class EngineWorker(Worker):
     name = "engine"
 
     def __init__(self, nc: NATS, config: EngineWorkerConfig, clock: Clock, *, tracer: Tracer | None = None,
-                 backend: Backend | None = None) -> None:
+                 backend: Backend | None = None, metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer = nc, config, clock, tracer
+        self.metrics = metrics
+        """vLLM's engine metrics, labelled with this replica as `engine` (None: no metrics)."""
         if backend is None:
             backend = SimBackend(config.replica_id, config.sim) if config.backend == "sim" else EchoBackend()
         self.backend = backend
@@ -145,6 +149,8 @@ class EngineWorker(Worker):
         await self._flush_completions()
 
     async def _on_stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_stopped(self.config.sim.model, self.config.replica_id)
         for item in self._inflight.values():
             if item.span is not None:
                 item.span.set_attribute("oserve.abandoned", True)
@@ -167,6 +173,8 @@ class EngineWorker(Worker):
                                         message=f"replica {self.config.replica_id} stopped before answering"))
             self._released.append(job.request_id)
             self._answered[item.key] = payload
+            if self.metrics is not None:
+                self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
             try:
                 for reply in ([item.reply] if item.reply else []) + item.also_reply:
                     await self.nc.publish(reply, payload)
@@ -220,11 +228,21 @@ class EngineWorker(Worker):
                   d.sim_output_tokens or 0, stream=d.stream)
         span = None
         if self.tracer is not None:
-            span = self.tracer.start_span("engine.serve", context=extract(msg.headers), kind=SpanKind.CONSUMER,
-                                          attributes={"oserve.request_id": d.request_id,
+            # the GenAI inference span ("text_completion llama2-7b"), consuming the dispatch message
+            model = self.config.sim.model
+            span = self.tracer.start_span(genai_span_name("text_completion", model), context=extract(msg.headers),
+                                          kind=SpanKind.CONSUMER,
+                                          attributes={"oserve.step": "engine.serve", "oserve.request_id": d.request_id,
                                                       "oserve.replica_id": self.config.replica_id,
                                                       "oserve.attempt": d.attempt,
-                                                      "oserve.input_tokens": d.input_tokens})
+                                                      "oserve.input_tokens": d.input_tokens,
+                                                      "gen_ai.operation.name": "text_completion",
+                                                      "gen_ai.provider.name": GEN_AI_PROVIDER,
+                                                      "gen_ai.request.model": model,
+                                                      "gen_ai.request.max_tokens": d.max_tokens,
+                                                      **messaging_attributes(msg.subject, "process", "process",
+                                                                             message_id=d.request_id,
+                                                                             body_size_bytes=len(msg.data))})
         self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers),
                                             key=key)
         self._by_id[key] = job.seq
@@ -300,8 +318,20 @@ class EngineWorker(Worker):
                 await self.nc.publish(item.reply, payload, headers=headers)
             for reply in item.also_reply:
                 await self.nc.publish(reply, payload)
+            reason = "length" if f.output_tokens >= job.max_tokens else "stop"
+            if self.metrics is not None and not f.error:
+                self.metrics.request_finished(self.config.sim.model, self.config.replica_id,
+                                              input_tokens=job.input_tokens, output_tokens=f.output_tokens,
+                                              ttft_s=f.first_token_s - job.arrival_s, e2e_s=f.finish_s - job.arrival_s,
+                                              finished_reason=reason)
             if item.span is not None:
-                item.span.set_attribute("oserve.output_tokens", f.output_tokens)
+                item.span.set_attributes({"oserve.output_tokens": f.output_tokens,
+                                          "gen_ai.response.model": self.config.sim.model,
+                                          "gen_ai.usage.input_tokens": job.input_tokens,
+                                          "gen_ai.usage.output_tokens": f.output_tokens,
+                                          "gen_ai.response.finish_reasons": ("error",) if f.error else (reason,)})
+                if f.error:
+                    item.span.set_status(Status(StatusCode.ERROR, "refused"))
                 item.span.end()
             self.num_answered += 1
         if not self._inflight:
@@ -351,6 +381,9 @@ class EngineWorker(Worker):
 
     async def _send_heartbeat(self) -> None:
         load = self.backend.load()
+        if self.metrics is not None:
+            self.metrics.engine_load(self.config.sim.model, self.config.replica_id, num_running=load.num_running,
+                                     num_waiting=load.num_waiting, kv_usage_frac=load.kv_load_frac)
         await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
             replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,
             num_running=load.num_running, accepting=self._accepting, kv_load_frac=load.kv_load_frac,

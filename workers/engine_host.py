@@ -17,6 +17,7 @@ from opentelemetry.trace import Tracer
 
 from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError
+from oserve.observability.metrics import Metrics
 from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaReady, StartReplica,
                                     encode)
 from oserve.streams.subjects import Subjects
@@ -50,9 +51,12 @@ class EngineHost(Worker):
 
     name = "engine-host"
 
-    def __init__(self, nc: NATS, config: EngineHostConfig, clock: Clock, *, tracer: Tracer | None = None) -> None:
+    def __init__(self, nc: NATS, config: EngineHostConfig, clock: Clock, *, tracer: Tracer | None = None,
+                 metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer = nc, config, clock, tracer
+        self.metrics = metrics
+        """Handed to every engine it starts (None: no metrics)."""
         self.engines: dict[str, EngineWorker] = {}
         self._retiring: dict[str, EngineWorker] = {}  # replica_id -> engine being drained on command
         self._starting: set[str] = set()
@@ -98,7 +102,7 @@ class EngineHost(Worker):
                                          sim=SimBackendConfig(self.config.model, self.config.gpu, cmd.replica.tp,
                                                               cmd.replica.pp, self.config.gpus_per_node),
                                          heartbeat_interval_wall_s=self.config.heartbeat_interval_wall_s)
-                engine = EngineWorker(self.nc, cfg, self.clock, tracer=self.tracer)
+                engine = EngineWorker(self.nc, cfg, self.clock, tracer=self.tracer, metrics=self.metrics)
                 await engine.start()
                 if rid in self._cancelled_starts:  # the drain came while it subscribed
                     await engine.stop()

@@ -36,7 +36,8 @@ from oserve.errors import ConfigError, OServeError
 from oserve.forecast.baselines import LastValue
 from oserve.forecast.gate import GatedForecaster
 from oserve.forecast.registry import forecaster_from_dict
-from oserve.observability.tracing import inject
+from oserve.observability.metrics import Metrics
+from oserve.observability.tracing import inject, messaging_attributes, messaging_span_name
 from oserve.streams.schemas import Arrived, Completed, ForecastMade, encode
 from oserve.streams.subjects import Subjects
 from oserve.workers.base import Worker
@@ -76,9 +77,11 @@ class ForecasterStage(Worker):
     def __init__(self, nc: NATS, config: ForecasterConfig, clock: Clock, *, forecaster: GatedForecaster | None = None,
                  types: WorkloadTypes | None = None, tracer: Tracer | None = None,
                  js: JetStreamContext | None = None, store: ObjectStore | None = None,
-                 class_names: tuple[str, ...] = ()) -> None:
+                 class_names: tuple[str, ...] = (), metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.js, self.store = nc, config, clock, tracer, js, store
+        self.metrics = metrics
+        """Each forecast's observed and forecast rates per type, errors, misclassification (None: no metrics)."""
         self.forecaster = forecaster or GatedForecaster(LastValue(config.num_types), config.span_s)
         if self.forecaster.k != config.num_types:
             raise ConfigError(f"ForecasterStage: the forecaster has {self.forecaster.k} classes, the config "
@@ -254,11 +257,21 @@ class ForecasterStage(Worker):
                           misclassified_frac=wrong / total if total else 0.0, forecaster=self.forecaster.source,
                           recent_rrmse=errors, forecaster_note=self.forecaster.why_not_challenger()
                           if self.forecaster.challenger is not None else "", **self.clock.stamp())
+        if self.metrics is not None:
+            k = self.config.num_types
+            names = self.class_names if len(self.class_names) == k else tuple(str(j) for j in range(k))
+            self.metrics.forecast_made(type_names=names, observed_rps=[c / self.config.span_s for c in ev.observed_counts],
+                                       forecast_rps=ev.forecast_rps, recent_rrmse=errors,
+                                       misclassified_frac=ev.misclassified_frac, forecaster=ev.forecaster)
         headers = None
+        subject, payload = self.config.subjects.plan_event("forecast"), encode(ev)
         if self.tracer is not None:
-            with self.tracer.start_as_current_span("forecast.made", kind=SpanKind.PRODUCER,
-                                                   attributes={"oserve.span_index": span}) as sp:
+            with self.tracer.start_as_current_span(
+                    messaging_span_name("publish", subject), kind=SpanKind.PRODUCER,
+                    attributes={"oserve.step": "forecast.made", "oserve.span_index": span,
+                                **messaging_attributes(subject, "send", "publish", message_id=f"span{span}",
+                                                       body_size_bytes=len(payload))}) as sp:
                 headers = inject(sp)
-        await self.nc.publish(self.config.subjects.plan_event("forecast"), encode(ev), headers=headers)
+        await self.nc.publish(subject, payload, headers=headers)
         self.num_events += 1
         return ev

@@ -47,7 +47,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 from oserve.errors import ConfigError
-from oserve.observability.tracing import extract, inject, trace_headers
+from oserve.observability.metrics import Metrics
+from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
 from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
                                     ErrorCode, ErrorReply, Heartbeat, Ping, Pong, SchemaError, decode, decode_submit,
                                     encode)
@@ -151,9 +152,11 @@ class Gateway(Worker):
     name = "gateway"
 
     def __init__(self, nc: NATS, config: GatewayConfig, clock: Clock, *, estimator: OnlineTypes | None = None,
-                 tracer: Tracer | None = None, kv: KeyValue | None = None) -> None:
+                 tracer: Tracer | None = None, kv: KeyValue | None = None, metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
+        self.metrics = metrics
+        """Accepted / rejected / failed / re-dispatched requests and the ones in flight (None: no metrics)."""
         self.estimator = estimator
         """Classes requests at arrival and learns from completions; None: every request is class 0."""
         self._replicas: dict[str, _Replica] = {}
@@ -180,6 +183,8 @@ class Gateway(Worker):
 
     async def _subscribe(self) -> list:
         s = self.config.subjects
+        if self.metrics is not None:
+            self.metrics.track_inflight(self.config.gateway_id, lambda: len(self.pending))
         if self.kv is not None:  # a (re)started router follows the assignment in force
             try:
                 self._set_assignment((await self.kv.get(Subjects.ASSIGNMENT_KEY)).value or b"")
@@ -194,6 +199,10 @@ class Gateway(Worker):
 
     def _loops(self):
         return [self._liveness_loop, self._arrivals_loop]
+
+    async def _on_stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.untrack_inflight(self.config.gateway_id)
 
     async def _drain(self) -> None:
         # stop taking requests; what was forwarded is the engines' to answer
@@ -317,21 +326,28 @@ class Gateway(Worker):
         except Exception as exc:  # the outermost handler: answer, log, keep serving
             self.num_errors += 1
             log.exception("%s: submit handler failed", self.config.gateway_id)
+            if self.metrics is not None:
+                self.metrics.rejected.labels(ErrorCode.INTERNAL).inc()
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(ErrorReply(code=ErrorCode.INTERNAL,
                                                                    message=type(exc).__name__)))
 
     async def _reject(self, msg: Msg, request_id: str, code: str, message: str) -> None:
         self.num_rejected += 1
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code).inc()
         if msg.reply:
             await self.nc.publish(msg.reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
 
     async def _handle_submit(self, msg: Msg) -> None:
         span = None
         if self.tracer is not None:
-            span = self.tracer.start_span("gateway.route", context=extract(msg.headers), kind=SpanKind.CONSUMER,
-                                          links=self._strategy_links,
-                                          attributes={"oserve.strategy_id": self.strategy_id})
+            span = self.tracer.start_span(messaging_span_name("process", msg.subject), context=extract(msg.headers),
+                                          kind=SpanKind.CONSUMER, links=self._strategy_links,
+                                          attributes={"oserve.step": "gateway.route",
+                                                      "oserve.strategy_id": self.strategy_id,
+                                                      **messaging_attributes(msg.subject, "process", "process",
+                                                                             body_size_bytes=len(msg.data))})
         try:
             try:
                 req = decode_submit(msg.data)
@@ -360,7 +376,9 @@ class Gateway(Worker):
             type_index, est = self._classify(input_tokens, req.max_tokens, req.output_hint_tokens, tag)
             if span is not None:
                 span.set_attributes({"oserve.request_id": req.request_id, "oserve.type_index": type_index,
-                                     "oserve.input_tokens": input_tokens})
+                                     "oserve.input_tokens": input_tokens, "messaging.message.id": req.request_id,
+                                     "gen_ai.operation.name": "text_completion",
+                                     "gen_ai.request.max_tokens": max_tokens})
             existing = self.pending.get(req.request_id)
             if existing is not None:
                 if dedupe_key(msg.reply, "") != dedupe_key(existing.reply, ""):
@@ -411,6 +429,8 @@ class Gateway(Worker):
                                                                   req.max_tokens)
                 self._sent(replica_id, pending)
             self.num_accepted += 1
+            if self.metrics is not None:
+                self.metrics.accepted.inc()
             self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
                                           input_tokens=input_tokens, est_output_tokens=est,
                                           type_index=type_index, replica_id=replica_id or ""))
@@ -442,6 +462,8 @@ class Gateway(Worker):
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
             self.num_failed += 1
+            if self.metrics is not None:
+                self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
             if p.reply:
                 await self.nc.publish(p.reply, encode(ErrorReply(
                     request_id=rid, code=ErrorCode.NO_REPLICA,
@@ -456,6 +478,8 @@ class Gateway(Worker):
         p.replica_id, p.wait_until_wall_s = target, None
         if not first:
             self.num_redispatched += 1
+            if self.metrics is not None:
+                self.metrics.redispatched.inc()
         await self.nc.publish(self.config.subjects.replica(target), encode(p.dispatch), reply=p.reply,
                               headers=dict(p.headers) if p.headers else None)
         self._sent(target, p)
@@ -480,6 +504,8 @@ class Gateway(Worker):
                 continue
             del self.pending[rid]
             self.num_failed += 1
+            if self.metrics is not None:
+                self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
             if p.reply:
                 await self.nc.publish(p.reply, encode(ErrorReply(request_id=rid, code=ErrorCode.NO_REPLICA,
                                                                  message=message)))

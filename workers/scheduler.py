@@ -26,7 +26,8 @@ from opentelemetry.trace import SpanKind, Tracer
 from oserve.decision import Decision
 from oserve.defaults import SPAN_S
 from oserve.errors import ConfigError
-from oserve.observability.tracing import extract, inject
+from oserve.observability.metrics import Metrics
+from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import ArrivalPattern
@@ -105,9 +106,12 @@ class SchedulerWorker(Worker):
     name = "scheduler"
 
     def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock,
-                 planner: OServePlanner | StaticPlanner, initial_rps: np.ndarray, *, tracer: Tracer | None = None) -> None:
+                 planner: OServePlanner | StaticPlanner, initial_rps: np.ndarray, *, tracer: Tracer | None = None,
+                 metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.kv, self.config, self.clock, self.planner, self.tracer = nc, kv, config, clock, planner, tracer
+        self.metrics = metrics
+        """Each decision's label and wall time, and overruns of its budget (None: no metrics)."""
         k = len(planner.class_names)
         self.initial_rps = np.asarray(initial_rps, dtype=float)
         if self.initial_rps.shape != (k,):
@@ -170,15 +174,23 @@ class SchedulerWorker(Worker):
         async with self._lock:
             span = None
             if self.tracer is not None:
-                span = self.tracer.start_span("scheduler.decide", context=extract(headers), kind=SpanKind.CONSUMER,
-                                              attributes={"oserve.span_index": span_index})
+                # processing a forecast message; the first decision, made before serving, processes none
+                subject = self.config.subjects.plan_event("forecast" if span_index >= 0 else "strategy")
+                op = ("process", "process") if span_index >= 0 else ("send", "publish")
+                span = self.tracer.start_span(
+                    messaging_span_name(op[1], subject), context=extract(headers),
+                    kind=SpanKind.CONSUMER if span_index >= 0 else SpanKind.PRODUCER,
+                    attributes={"oserve.step": "scheduler.decide", "oserve.span_index": span_index,
+                                **messaging_attributes(subject, *op, message_id=f"span{span_index}"
+                                                       if span_index >= 0 else "")})
             try:
                 started = time.perf_counter()
                 decision = await asyncio.to_thread(self.planner.plan, rates, self.current, recent, self.config.span_s)
                 took = time.perf_counter() - started
                 self.decide_s.append(took)
                 budget = self.clock.to_wall_s(self.config.budget_frac * self.config.span_s)
-                if self.current is not None and took > budget:
+                over_budget = self.current is not None and took > budget  # the first, before serving, has none
+                if over_budget:
                     self.num_over_budget += 1
                     log.warning("scheduler: the decision for span %d took %.2f s, over its budget of %.2f s",
                                 span_index + 1, took, budget)
@@ -193,6 +205,8 @@ class SchedulerWorker(Worker):
                 headers_out[MSG_ID] = f"{self._run_id}:{strategy_id}"
                 await self.nc.publish(self.config.subjects.plan_event("strategy"), encode(s), headers=headers_out)
                 self.strategies.append(s)
+                if self.metrics is not None:
+                    self.metrics.decision_made(s.label, took, over_budget=over_budget)
                 return s
             finally:
                 if span is not None:

@@ -24,7 +24,8 @@ from opentelemetry.trace import SpanKind, Tracer
 
 from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError, OServeError
-from oserve.observability.tracing import extract, inject
+from oserve.observability.metrics import Metrics
+from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
 from oserve.streams.schemas import (AssignmentSet, DrainReplica, ReplicaDrained, ReplicaEvent, ReplicaReady,
                                     ReplicaSpec, StartReplica, StrategyChosen, SwitchCompleted,
@@ -63,9 +64,12 @@ class SwitchPlannerWorker(Worker):
     name = "switch-planner"
 
     def __init__(self, nc: NATS, config: SwitchPlannerConfig, clock: Clock, *, tracer: Tracer | None = None,
-                 kv: KeyValue | None = None, model: ModelSpec | None = None, cluster: ClusterSpec | None = None) -> None:
+                 kv: KeyValue | None = None, model: ModelSpec | None = None, cluster: ClusterSpec | None = None,
+                 metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
+        self.metrics = metrics
+        """The deployment serving, switches by outcome and their wall time (None: no metrics)."""
         self.model, self.cluster = model, cluster
         """The model and cluster the transfer plans are made for (no plan without them)."""
         self.current: dict[str, ReplicaSpec] = {}  # replica_id -> spec, of the serving deployment
@@ -107,6 +111,8 @@ class SwitchPlannerWorker(Worker):
             except Exception:  # outermost: report and keep the old deployment
                 log.exception("switch planner: switch to %s failed", s.strategy_id)
                 await self._publish_switch(SwitchRolledBack(strategy_id=s.strategy_id, reason="internal error"), None)
+                if self.metrics is not None:
+                    self.metrics.switches.labels("rolled_back").inc()
 
     async def _publish_switch(self, ev, headers) -> None:
         tag = ev.__struct_config__.tag
@@ -143,8 +149,12 @@ class SwitchPlannerWorker(Worker):
         """Carry out one strategy; True when it is serving, False when rolled back."""
         span = None
         if self.tracer is not None:
-            span = self.tracer.start_span("switch.execute", context=extract(headers), kind=SpanKind.CONSUMER,
-                                          attributes={"oserve.strategy_id": s.strategy_id})
+            subject = self.config.subjects.plan_event("strategy")
+            span = self.tracer.start_span(messaging_span_name("process", subject), context=extract(headers),
+                                          kind=SpanKind.CONSUMER,
+                                          attributes={"oserve.step": "switch.execute", "oserve.strategy_id": s.strategy_id,
+                                                      **messaging_attributes(subject, "process", "process",
+                                                                             message_id=s.strategy_id)})
         hdr = inject(span) if span is not None else None
         started = time.monotonic()
         try:
@@ -180,6 +190,8 @@ class SwitchPlannerWorker(Worker):
                     missing = sorted(need - self._ready)
                     await self._publish_switch(SwitchRolledBack(
                         strategy_id=s.strategy_id, reason=f"replicas not ready after {timeout:.1f} s: {missing}"), hdr)
+                    if self.metrics is not None:
+                        self.metrics.switch_done("rolled_back", time.monotonic() - started)
                     return False
             # every new replica serves: flip the router, then retire the old ones
             await self._flip(s, hdr)
@@ -187,8 +199,11 @@ class SwitchPlannerWorker(Worker):
                 await self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid), hdr)
             self.current = target
             self.strategy_id = s.strategy_id
-            await self._publish_switch(SwitchCompleted(strategy_id=s.strategy_id,
-                                                       switch_wall_s=time.monotonic() - started), hdr)
+            took_wall_s = time.monotonic() - started
+            await self._publish_switch(SwitchCompleted(strategy_id=s.strategy_id, switch_wall_s=took_wall_s), hdr)
+            if self.metrics is not None:
+                self.metrics.switch_done("completed", took_wall_s)
+                self.metrics.deployment_serving((r.tp, r.pp) for r in target.values())
             return True
         finally:
             if span is not None:

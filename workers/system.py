@@ -23,6 +23,7 @@ from oserve.defaults import ENGINE_START_S, SPAN_S, WORKER_NAMES
 from oserve.errors import ConfigError
 from oserve.forecast.baselines import LastValue
 from oserve.forecast.gate import GatedForecaster
+from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import TracingConfig, setup_tracing
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
@@ -184,8 +185,11 @@ def live_forecaster(config: SystemConfig, prior: Prior) -> GatedForecaster:
 class LiveSystem:
     """Every worker of `config.workers` on one connection; `async with` starts, drains and stops them."""
 
-    def __init__(self, nc: NATS, config: SystemConfig, inputs: PlanningInputs, clock: Clock | None = None) -> None:
+    def __init__(self, nc: NATS, config: SystemConfig, inputs: PlanningInputs, clock: Clock | None = None, *,
+                 metrics: Metrics | None = None) -> None:
         self.nc, self.config, self.inputs = nc, config, inputs
+        self.metrics = metrics
+        """The process's Prometheus instruments, handed to every worker (None: no metrics)."""
         if clock is None:
             clock = Clock(config.speedup) if config.epoch_unix_s is None else \
                 Clock.from_epoch(config.epoch_unix_s, config.speedup)
@@ -199,7 +203,8 @@ class LiveSystem:
         self.http = None  # the OpenAI-compatible front (`OpenAIFront`), when `http` is among the workers
 
     async def start(self) -> None:
-        cfg, tracer, clock, nc = self.config, self.tracing.tracer, self.clock, self.nc
+        cfg, clock, nc, metrics = self.config, self.clock, self.nc, self.metrics
+        tracer = self.tracing.tracer_for  # one service per worker: oserve-gateway, oserve-engine, ...
         kv = await ensure_streams(nc.jetstream(), cfg.subjects, StreamLimits(num_replicas=cfg.js_replicas))
         ctx = self.inputs.ctx
         gpn = ctx.cluster.gpus_per_node
@@ -209,28 +214,32 @@ class LiveSystem:
             self.host = EngineHost(nc, EngineHostConfig(subjects=cfg.subjects, model=cfg.model, gpu=cfg.gpu,
                                                         gpus_per_node=gpn,
                                                         heartbeat_interval_wall_s=cfg.heartbeat_interval_wall_s),
-                                   clock, tracer=tracer)
+                                   clock, tracer=tracer("engine"), metrics=metrics)
             await self.host.start()
         if "gateway" in w:
             self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, max_context_tokens=ctx.model.max_context_tokens,
                                                      heartbeat_timeout_wall_s=4 * cfg.heartbeat_interval_wall_s),
-                                   clock, estimator=self.inputs.prior.fresh_estimator(), tracer=tracer, kv=kv)
+                                   clock, estimator=self.inputs.prior.fresh_estimator(), tracer=tracer("gateway"), kv=kv,
+                                   metrics=metrics)
             await self.gateway.start()
         if "switch-planner" in w:
             self.switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=cfg.subjects, gpus_per_node=gpn),
-                                                clock, tracer=tracer, kv=kv, model=ctx.model, cluster=ctx.cluster)
+                                                clock, tracer=tracer("switch-planner"), kv=kv, model=ctx.model,
+                                                cluster=ctx.cluster, metrics=metrics)
             await self.switcher.start()
         if "forecaster" in w:
             prior = self.inputs.prior
             self.forecaster = ForecasterStage(
                 nc, ForecasterConfig(subjects=cfg.subjects, span_s=cfg.span_s, num_types=prior.types.k),
-                clock, forecaster=live_forecaster(cfg, prior), types=prior.types, tracer=tracer, js=nc.jetstream(),
+                clock, forecaster=live_forecaster(cfg, prior), types=prior.types, tracer=tracer("forecaster"),
+                metrics=metrics, js=nc.jetstream(),
                 store=await ensure_model_store(nc.jetstream(), cfg.subjects, cfg.js_replicas),
                 class_names=prior.class_names)
             await self.forecaster.start()
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
-                                             self.inputs.planner, self.inputs.initial_rps, tracer=tracer)
+                                             self.inputs.planner, self.inputs.initial_rps, tracer=tracer("scheduler"),
+                                             metrics=metrics)
             await self.scheduler.start()
         if "http" in w:  # a producer of requests: last; imported here, so FastAPI loads only when it serves
             from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront

@@ -59,19 +59,50 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
                    otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
                    history_minutes: float | None = None, js_replicas: int = 1, http_host: str = "127.0.0.1",
                    http_port: int = 0):
+    import os
+
     from oserve.observability.tracing import TracingConfig
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import SystemConfig
 
+    # a flag given wins; else the OTEL_* environment; else TracingConfig's defaults ("" means not given)
+    tracing_config = TracingConfig.from_env(os.environ, exporter=tracing or None, otlp_endpoint=otlp_endpoint or None,
+                                            num_workers=len(workers))
     return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
-                        trace=trace, history_minutes=history_minutes,
-                        tracing=TracingConfig(exporter=tracing, otlp_endpoint=otlp_endpoint),  # type: ignore[arg-type]
+                        trace=trace, history_minutes=history_minutes, tracing=tracing_config,
                         workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas,
                         http_host=http_host, http_port=http_port)
 
 
-async def _serve(url: str, config, duration_s: float, label: str, view: bool = False) -> None:
-    """Run `config.workers` until Ctrl-C / SIGTERM (or `duration_s`), then drain: no accepted request unanswered."""
+def _metrics_server(port: int):
+    """This process's registry, its instruments and its `/metrics` server on `port` (0: none of them).
+
+    A port already taken (another worker on this host) costs the endpoint, not the worker: it says so
+    and serves without it."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from oserve.observability.metrics import Metrics, MetricsServer
+
+    if port == 0:
+        return None, None
+    registry = CollectorRegistry()
+    server = MetricsServer(registry, port)
+    try:
+        server.start()
+    except OSError as exc:
+        logging.getLogger("oserve.metrics").warning("metrics: cannot listen on port %d (%s); no /metrics in this "
+                                                    "process (give each worker on a host its own --metrics-port)",
+                                                    port, exc)
+        return None, None
+    typer.echo(f"metrics at {server.url}", err=True)
+    return Metrics(registry), server
+
+
+async def _serve(url: str, config, duration_s: float, label: str, view: bool = False, metrics_port: int = 0) -> None:
+    """Run `config.workers` until Ctrl-C / SIGTERM (or `duration_s`), then drain: no accepted request unanswered.
+    With `metrics_port`, the workers' Prometheus metrics are served at `/metrics` on it."""
     import asyncio
     import contextlib
     import math
@@ -90,7 +121,8 @@ async def _serve(url: str, config, duration_s: float, label: str, view: bool = F
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    system = LiveSystem(nc, config, inputs)
+    metrics, metrics_server = _metrics_server(metrics_port)
+    system = LiveSystem(nc, config, inputs, metrics=metrics)
     try:
         await system.start()
         typer.echo(f"oserve {label}: running on {redact_url(url)} (prefix {config.subjects.prefix}, speedup {config.speedup}); "
@@ -113,6 +145,8 @@ async def _serve(url: str, config, duration_s: float, label: str, view: bool = F
     finally:
         await system.stop()
         await nc.drain()
+        if metrics_server is not None:
+            metrics_server.stop()
 
 
 def _logging() -> None:
@@ -129,9 +163,15 @@ SPAN_S = typer.Option(60.0, help="Forecast/planning span (clock seconds).")
 TRACE = typer.Option("azure-conv", help="History the planner's models are fitted on (requests before the system "
                                         "started).")
 PREFIX = typer.Option("oserve", help="Subject prefix.")
-TRACING = typer.Option("none", help="Span exporter: none, console, otlp, or file (OTLP/JSON lines in "
-                                     "./traces.jsonl).")
-OTLP_ENDPOINT = typer.Option("http://127.0.0.1:4318/v1/traces", help="OTLP/HTTP traces endpoint.")
+TRACING = typer.Option("", help="Span exporter: none, console, otlp, or file (OTLP/JSON lines in ./traces.jsonl). "
+                                 "Not given: OTEL_TRACES_EXPORTER, else otlp when OTEL_EXPORTER_OTLP_ENDPOINT or "
+                                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set, else none.", show_default=False)
+OTLP_ENDPOINT = typer.Option("", help="OTLP/HTTP traces endpoint. Not given: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else "
+                                      "OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else "
+                                      "http://127.0.0.1:4318/v1/traces.", show_default=False)
+METRICS_PORT = typer.Option(9090, "--metrics-port", envvar="OSERVE_METRICS_PORT",
+                            help="Serve Prometheus metrics at http://0.0.0.0:PORT/metrics; 0: no endpoint. Workers "
+                                 "sharing a host need a port each.")
 DURATION_S = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C).")
 HTTP_PORT_OPTION = typer.Option(HTTP_PORT, "--http-port", envvar="OSERVE_HTTP_PORT",
                                 help="Port of the OpenAI-compatible HTTP front (the `http` worker); 0: a free "
@@ -160,6 +200,7 @@ def up(
     http_port: int = HTTP_PORT_OPTION,
     http_host: str = HTTP_HOST_OPTION,
     js_replicas: int = JS_REPLICAS,
+    metrics_port: int = METRICS_PORT,
 ) -> None:
     """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner, HTTP front."""
     import asyncio
@@ -171,11 +212,11 @@ def up(
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, workers,
                             js_replicas=js_replicas, http_host=http_host, http_port=max(0, http_port))
     if nats_url:
-        asyncio.run(_serve(nats_url, config, duration_s, "up", view))
+        asyncio.run(_serve(nats_url, config, duration_s, "up", view, metrics_port))
         return
     with NatsServer() as server:
         typer.echo(f"embedded nats-server at {server.url}", err=True)
-        asyncio.run(_serve(server.url, config, duration_s, "up", view))
+        asyncio.run(_serve(server.url, config, duration_s, "up", view, metrics_port))
 
 
 @app.command("worker")
@@ -197,6 +238,7 @@ def worker(
     http_port: int = HTTP_PORT_OPTION,
     http_host: str = HTTP_HOST_OPTION,
     js_replicas: int = JS_REPLICAS,
+    metrics_port: int = METRICS_PORT,
 ) -> None:
     """Run one worker against a NATS server (to spread the system over hosts)."""
     import asyncio
@@ -208,7 +250,7 @@ def worker(
     _logging()
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch,
                             js_replicas=js_replicas, http_host=http_host, http_port=http_port)
-    asyncio.run(_serve(nats_url, config, duration_s, name))
+    asyncio.run(_serve(nats_url, config, duration_s, name, metrics_port=metrics_port))
 
 
 @app.command("replay")
