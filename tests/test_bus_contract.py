@@ -187,7 +187,7 @@ async def _run(cmd: list[str], env: dict | None = None, timeout_s: float = 60.0)
     return proc.returncode or 0, out.decode(), err.decode()
 
 
-def test_the_readme_client_and_oserve_top_work_against_a_live_system(tmp_path) -> None:
+async def test_the_readme_client_and_oserve_top_work_against_a_live_system(tmp_path) -> None:
     from oserve.streams.client import OServeClient
     from oserve.streams.server import NatsServer
     from oserve.streams.schemas import ForecastMade, decode
@@ -243,4 +243,4 @@ def test_the_readme_client_and_oserve_top_work_against_a_live_system(tmp_path) -
         assert "Replicas" in text and re.search(r"serving: s\d+", text), text
 
     with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
-        asyncio.run(asyncio.wait_for(main(srv.url, srv.port), 120))
+        await asyncio.wait_for(main(srv.url, srv.port), 120)

@@ -171,7 +171,7 @@ def test_completed_without_released_ids_still_decodes() -> None:
     assert new.released == ["q1"]
 
 
-def test_a_typed_subscription_hands_over_decoded_messages_and_counts_bad_ones() -> None:
+async def test_a_typed_subscription_hands_over_decoded_messages_and_counts_bad_ones() -> None:
     import asyncio
     from types import SimpleNamespace
 
@@ -185,5 +185,5 @@ def test_a_typed_subscription_hands_over_decoded_messages_and_counts_bad_ones() 
     callback = worker.typed(sc.Heartbeat, handler)
     good = sc.Heartbeat(replica_id="r0", at_s=1.0, num_waiting=0, num_running=2)
     for data in (sc.encode(good), b"{not json", sc.encode(sc.Ping())):
-        asyncio.run(callback(SimpleNamespace(data=data, subject="x")))
+        await callback(SimpleNamespace(data=data, subject="x"))
     assert seen == [good] and worker.num_bad_messages == 2

@@ -40,7 +40,7 @@ def test_stop_is_idempotent() -> None:
     srv.stop()
 
 
-def test_streams_and_bucket_setup_is_idempotent(server: NatsServer) -> None:
+async def test_streams_and_bucket_setup_is_idempotent(server: NatsServer) -> None:
     subjects = unique_subjects()
 
     async def main() -> None:
@@ -58,10 +58,10 @@ def test_streams_and_bucket_setup_is_idempotent(server: NatsServer) -> None:
         assert dup.duplicate and dup.seq == ack.seq
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
-def test_jetstream_state_survives_a_server_restart() -> None:
+async def test_jetstream_state_survives_a_server_restart() -> None:
     subjects = unique_subjects()
     srv = NatsServer().start()
     try:
@@ -79,14 +79,14 @@ def test_jetstream_state_survives_a_server_restart() -> None:
             assert (await js.stream_info(subjects.stream_arrivals())).state.messages == 1
             await nc.close()
 
-        asyncio.run(asyncio.wait_for(write(), 20))
+        await asyncio.wait_for(write(), 20)
         srv.restart()
-        asyncio.run(asyncio.wait_for(read(), 20))
+        await asyncio.wait_for(read(), 20)
     finally:
         srv.stop()
 
 
-def test_deploy_permissions_let_clients_submit_and_read_only_their_replies() -> None:
+async def test_deploy_permissions_let_clients_submit_and_read_only_their_replies() -> None:
     subjects = Subjects("oserve")  # the permissions name the production prefix
 
     async def main(url: str) -> None:
@@ -117,10 +117,10 @@ def test_deploy_permissions_let_clients_submit_and_read_only_their_replies() -> 
         await worker.close()
 
     with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
-        asyncio.run(asyncio.wait_for(main(srv.url), 20))
+        await asyncio.wait_for(main(srv.url), 20)
 
 
-def test_the_request_path_works_under_the_deploy_permissions() -> None:
+async def test_the_request_path_works_under_the_deploy_permissions() -> None:
     from oserve.streams.client import OServeClient
     from oserve.streams.jetstream import ensure_streams
     from oserve.workers.clock import Clock
@@ -143,10 +143,10 @@ def test_the_request_path_works_under_the_deploy_permissions() -> None:
         await worker.close()
 
     with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
-        asyncio.run(asyncio.wait_for(main(srv.url), 20))
+        await asyncio.wait_for(main(srv.url), 20)
 
 
-def test_the_telemetry_stream_keeps_heartbeats_and_telemetry_for_a_bounded_time(server: NatsServer) -> None:
+async def test_the_telemetry_stream_keeps_heartbeats_and_telemetry_for_a_bounded_time(server: NatsServer) -> None:
     subjects = unique_subjects()
 
     async def main() -> None:
@@ -166,10 +166,10 @@ def test_the_telemetry_stream_keeps_heartbeats_and_telemetry_for_a_bounded_time(
         assert (await js.stream_info(subjects.stream_telemetry())).state.messages == 2
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
-def test_the_telemetry_user_reads_the_streams_and_publishes_nothing() -> None:
+async def test_the_telemetry_user_reads_the_streams_and_publishes_nothing() -> None:
     from oserve.observability.top import TopConfig, snapshot_once
     from oserve.streams.schemas import Heartbeat, StrategyChosen, encode
 
@@ -230,4 +230,4 @@ def test_the_telemetry_user_reads_the_streams_and_publishes_nothing() -> None:
         await worker.close()
 
     with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
-        asyncio.run(asyncio.wait_for(main(srv.url), 30))
+        await asyncio.wait_for(main(srv.url), 30)

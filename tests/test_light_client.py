@@ -60,7 +60,7 @@ def server():
     yield from running_server()
 
 
-def test_the_client_sends_a_request_without_the_server_extra(server) -> None:
+async def test_the_client_sends_a_request_without_the_server_extra(server) -> None:
     async def main() -> dict:
         async with AsyncExitStack() as stack:
             subjects = unique_subjects("light")
@@ -77,7 +77,7 @@ def test_the_client_sends_a_request_without_the_server_extra(server) -> None:
             assert proc.returncode == 0, err.decode()
             return json.loads(out)
 
-    result = asyncio.run(main())
+    result = await main()
     assert result["request_id"] == "light-1" and result["output_tokens"] >= 1
     assert result["heavy"] == []
 

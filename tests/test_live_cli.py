@@ -38,9 +38,9 @@ async def _ping_until_up(client: OServeClient, timeout_s: float) -> None:
     await asyncio.wait_for(loop(), timeout_s)
 
 
-def test_up_serves_requests_and_drains_on_sigint(server) -> None:
+async def test_up_serves_requests_and_drains_on_sigint(server) -> None:
     subjects = unique_subjects()
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "up", "--nats", server.url, "--prefix", subjects.prefix,
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "up", "--nats", server.url, "--prefix", subjects.prefix, "--http-port", "0", "--metrics-port", "0",
                              "--speedup", "60", "--duration-s", "60"], stderr=subprocess.PIPE, text=True)
     try:
         async def main() -> None:
@@ -51,7 +51,7 @@ def test_up_serves_requests_and_drains_on_sigint(server) -> None:
             assert all(r.output_tokens == 20 for r in replies)
             await client.close()
 
-        asyncio.run(asyncio.wait_for(main(), 40))
+        await asyncio.wait_for(main(), 40)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
@@ -69,7 +69,7 @@ def test_worker_refuses_an_unknown_name() -> None:
 
 def test_replay_against_a_running_system_reports_json(server) -> None:
     subjects = unique_subjects()
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "up", "--nats", server.url, "--prefix", subjects.prefix,
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "up", "--nats", server.url, "--prefix", subjects.prefix, "--http-port", "0", "--metrics-port", "0",
                              "--speedup", "60", "--duration-s", "60"], stderr=subprocess.DEVNULL)
     try:
         async def wait_up() -> None:
@@ -94,7 +94,7 @@ def test_replay_against_a_running_system_reports_json(server) -> None:
             proc.wait()
 
 
-def test_each_worker_runs_as_its_own_process(server) -> None:
+async def test_each_worker_runs_as_its_own_process(server) -> None:
     subjects = unique_subjects()
     names = ("engines", "switch-planner", "gateway", "forecaster", "scheduler")  # consumers first
     epoch = str(time.time())  # one clock for all of them
@@ -111,7 +111,7 @@ def test_each_worker_runs_as_its_own_process(server) -> None:
             assert {r.replica_id.split("-")[0] for r in replies} == {"s0"}  # the scheduler's first strategy
             await client.close()
 
-        asyncio.run(asyncio.wait_for(main(), 50))
+        await asyncio.wait_for(main(), 50)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -132,7 +132,7 @@ def test_log_lines_carry_no_password() -> None:
     assert redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
 
 
-def test_a_connect_error_carries_no_password() -> None:
+async def test_a_connect_error_carries_no_password() -> None:
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
@@ -144,7 +144,7 @@ def test_a_connect_error_carries_no_password() -> None:
             await OServeClient.connect(f"nats://worker:s3cret@127.0.0.1:{port}", connect_timeout_s=0.5)
         assert "s3cret" not in str(info.value) and "worker:***@127.0.0.1" in str(info.value)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
 def test_the_nats_url_can_come_from_the_environment() -> None:

@@ -66,7 +66,7 @@ def shifting_trace(seed: int = 0) -> Trace:
                  max_tokens=np.array(caps[:-1]))
 
 
-def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> None:
+async def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> None:
     subjects = unique_subjects()
     # the exact search (no fewest-replicas phase): its plan for this shift changes shape, so a switch runs
     config = SystemConfig(subjects=subjects, model="llama2-70b", gpus=8, span_s=SPAN_S, speedup=10.0,
@@ -108,7 +108,7 @@ def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> 
         result["completed"] = completed
         return result
 
-    r = asyncio.run(asyncio.wait_for(main(), 55))
+    r = await asyncio.wait_for(main(), 55)
     print({k: v for k, v in r.items() if k not in ("plan_events", "completed")})
     assert r["requests"] == len(trace) and r["answered"] == len(trace), r
     assert r["lost"] == 0 and r["errors"] == 0
@@ -143,7 +143,7 @@ def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, inputs) -> 
             assert any(k == "forecast" and v == f"span{span}" for k, _, v in events[:i])
 
 
-def test_switch_rolls_back_when_new_replicas_never_come_up(server) -> None:
+async def test_switch_rolls_back_when_new_replicas_never_come_up(server) -> None:
     subjects = unique_subjects()
 
     async def main() -> None:
@@ -158,10 +158,10 @@ def test_switch_rolls_back_when_new_replicas_never_come_up(server) -> None:
             assert sp.current == {} and sp.strategy_id == ""
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
-def test_scheduler_resumes_from_the_kv_bucket(server, inputs) -> None:
+async def test_scheduler_resumes_from_the_kv_bucket(server, inputs) -> None:
     subjects = unique_subjects()
 
     async def main() -> None:
@@ -178,10 +178,10 @@ def test_scheduler_resumes_from_the_kv_bucket(server, inputs) -> None:
             assert again.current.deployment == first.current.deployment
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_a_restarted_forecaster_rebuilds_its_spans_from_the_arrivals_stream(server) -> None:
+async def test_a_restarted_forecaster_rebuilds_its_spans_from_the_arrivals_stream(server) -> None:
     from oserve.streams.schemas import Arrival, Arrived, ForecastMade
     from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 
@@ -206,7 +206,7 @@ def test_a_restarted_forecaster_rebuilds_its_spans_from_the_arrivals_stream(serv
         assert [list(map(int, h)) for h in stage.history] == per_span + [[0, 0, 0, 0]]
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
 async def _until(predicate) -> None:
@@ -214,7 +214,7 @@ async def _until(predicate) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_restarted_gateway_follows_the_assignment_in_force(server) -> None:
+async def test_a_restarted_gateway_follows_the_assignment_in_force(server) -> None:
     from oserve.streams.schemas import AssignmentSet
     from oserve.workers.gateway import Gateway, GatewayConfig
 
@@ -234,7 +234,7 @@ def test_a_restarted_gateway_follows_the_assignment_in_force(server) -> None:
         assert stored.weights == [{"r1": 1.0}]
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
 def test_a_decision_survives_the_strategy_bucket_whole() -> None:

@@ -45,7 +45,7 @@ async def until(predicate, timeout_s: float = 20.0) -> None:
     await asyncio.wait_for(wait(), timeout_s)
 
 
-def test_a_restarted_stage_reuses_the_trained_lstm_and_its_class_names(server) -> None:
+async def test_a_restarted_stage_reuses_the_trained_lstm_and_its_class_names(server) -> None:
     rng = np.random.default_rng(0)
     history = rng.poisson([40, 10, 20, 5], size=(12, 4)).astype(float)
 
@@ -92,7 +92,7 @@ def test_a_restarted_stage_reuses_the_trained_lstm_and_its_class_names(server) -
         await nc.close()
         return out
 
-    r = asyncio.run(asyncio.wait_for(main(), 60))
+    r = await asyncio.wait_for(main(), 60)
     assert r["saved_meta"]["class_names"] == list(NAMES) and r["saved_meta"]["span_s"] == SPAN_S
     assert r["loaded"] and r["ready"] and r["second_trainings"] == 0
     assert r["same_weights"]  # the very network the first stage trained, bit for bit
@@ -105,7 +105,7 @@ def test_a_restarted_stage_reuses_the_trained_lstm_and_its_class_names(server) -
     assert ev.forecaster == "lstm" or ev.forecaster_note  # either in force, or the reason it is not
 
 
-def test_a_restarted_stage_learns_only_the_spans_after_the_saved_network(server) -> None:
+async def test_a_restarted_stage_learns_only_the_spans_after_the_saved_network(server) -> None:
     """Spans the saved LSTM learned are rebuilt from the arrivals stream but not learned twice."""
     from oserve.streams.schemas import Arrival, Arrived, encode
 
@@ -154,6 +154,6 @@ def test_a_restarted_stage_learns_only_the_spans_after_the_saved_network(server)
         await nc.close()
         return spans_before, spans_after, emitted, first._emitted
 
-    before, after, emitted_second, emitted_first = asyncio.run(asyncio.wait_for(main(), 60))
+    before, after, emitted_second, emitted_first = await asyncio.wait_for(main(), 60)
     # the second stage's network learned exactly the spans closed after the first one saved it
     assert after == before + (emitted_second - emitted_first)

@@ -54,7 +54,7 @@ async def start_system(stack: AsyncExitStack, url: str, replica_ids=("r0", "r1")
     return nc, subjects, gw, engines, OServeClient(nc, subjects, default_timeout_s=10.0)
 
 
-def test_every_request_is_answered_exactly_once(server) -> None:
+async def test_every_request_is_answered_exactly_once(server) -> None:
     num = 200
 
     async def main() -> None:
@@ -85,10 +85,10 @@ def test_every_request_is_answered_exactly_once(server) -> None:
             assert all(e.num_answered > 0 for e in engines)  # both replicas served
             assert gw.num_accepted == num and gw.num_redispatched == 0
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_bad_inputs_get_error_replies_and_the_system_keeps_serving(server) -> None:
+async def test_bad_inputs_get_error_replies_and_the_system_keeps_serving(server) -> None:
     bad = {
         b"{this is not json": ErrorCode.BAD_JSON,
         json.dumps({"type": "submit.v7", "request_id": "a", "input_tokens": 3}).encode(): ErrorCode.BAD_VERSION,
@@ -120,10 +120,10 @@ def test_bad_inputs_get_error_replies_and_the_system_keeps_serving(server) -> No
             with pytest.raises(ValueError):
                 await client.submit(prompt="x", input_tokens=3)
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_client_errors_are_clear(server) -> None:
+async def test_client_errors_are_clear(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             subjects = unique_subjects()
@@ -147,7 +147,7 @@ def test_client_errors_are_clear(server) -> None:
                 await client.submit(input_tokens=5, timeout_s=0.3)
             assert (await client.ping()).num_replicas == 1
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
 async def _ignore(msg) -> None:
@@ -159,7 +159,7 @@ def _heartbeat(replica_id: str):
     return Heartbeat(replica_id=replica_id, at_s=0.0, num_waiting=0, num_running=0)
 
 
-def test_engine_deduplicates_by_request_id(server) -> None:
+async def test_engine_deduplicates_by_request_id(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, _ = await start_system(stack, server.url, replica_ids=("r0",), speedup=5.0)
@@ -182,10 +182,10 @@ def test_engine_deduplicates_by_request_id(server) -> None:
             assert got == Counter({"a": 1, "b": 1, "c": 1})
             assert engines[0].num_duplicates == 3 and engines[0].num_answered == 1
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_a_dead_replicas_requests_are_redispatched(server) -> None:
+async def test_a_dead_replicas_requests_are_redispatched(server) -> None:
     num = 30
 
     async def main() -> None:
@@ -207,7 +207,7 @@ def test_a_dead_replicas_requests_are_redispatched(server) -> None:
             assert gw.live_replicas == [engines[1].config.replica_id]
             await wait_until(lambda: not gw.pending, 5, "the gateway to see every completion")
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
 async def _system_whose_only_replica_died(stack: AsyncExitStack, url: str):
@@ -219,7 +219,7 @@ async def _system_whose_only_replica_died(stack: AsyncExitStack, url: str):
     return nc, subjects, gw, client
 
 
-def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> None:
+async def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> None:
     """A moment with no live replica (all silent or restarting) delays new requests; it does not refuse them."""
     num = 5
 
@@ -237,10 +237,10 @@ def test_new_requests_wait_for_a_replica_instead_of_being_refused(server) -> Non
             assert {r.replica_id for r in replies} == {"r1"} and fresh.num_answered == num
             assert gw.num_redispatched == 0 and gw.num_failed == 0  # a first dispatch, not a retry
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_a_retry_of_a_held_request_is_answered_on_the_retrys_inbox(server) -> None:
+async def test_a_retry_of_a_held_request_is_answered_on_the_retrys_inbox(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, client = await _system_whose_only_replica_died(stack, server.url)
@@ -255,10 +255,10 @@ def test_a_retry_of_a_held_request_is_answered_on_the_retrys_inbox(server) -> No
             reply = await retry
             assert reply.request_id == "held" and reply.replica_id == "r1"
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_a_stalled_gateway_does_not_declare_its_replicas_dead(server) -> None:
+async def test_a_stalled_gateway_does_not_declare_its_replicas_dead(server) -> None:
     """The gateway's own stall (its loop blocked) is not the replicas' silence: nobody is declared dead."""
     async def main() -> None:
         async with AsyncExitStack() as stack:
@@ -275,10 +275,10 @@ def test_a_stalled_gateway_does_not_declare_its_replicas_dead(server) -> None:
             await wait_until(lambda: gw.live_replicas == ["r1"], 5, "the gateway to see r0 die")
             assert gw.num_declared_dead == 1
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_router_follows_the_published_assignment(server) -> None:
+async def test_router_follows_the_published_assignment(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(stack, server.url)
@@ -289,10 +289,10 @@ def test_router_follows_the_published_assignment(server) -> None:
                                              for _ in range(20)])
             assert {r.replica_id for r in replies} == {"r1"}
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_engines_publish_heartbeats_and_telemetry(server) -> None:
+async def test_engines_publish_heartbeats_and_telemetry(server) -> None:
     from oserve.streams.schemas import Heartbeat, Telemetry
 
     async def main() -> None:
@@ -319,10 +319,10 @@ def test_engines_publish_heartbeats_and_telemetry(server) -> None:
             assert t.source_id == "r0" and t.window_s == 2.0 and t.p99_e2e_s >= t.p50_e2e_s > 0
             assert seen["hb"] and all(h.replica_id == "r0" and h.accepting for h in seen["hb"])
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
-def test_worker_lifecycle_is_idempotent_and_the_gateway_sheds_load(server) -> None:
+async def test_worker_lifecycle_is_idempotent_and_the_gateway_sheds_load(server) -> None:
     async def main() -> None:
         nc = await nats.connect(server.url)
         subjects = unique_subjects()
@@ -349,7 +349,7 @@ def test_worker_lifecycle_is_idempotent_and_the_gateway_sheds_load(server) -> No
         assert not gw.running and not engine.running
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    await asyncio.wait_for(main(), 20)
 
 
 async def _retiring_host(stack: AsyncExitStack, url: str, num: int):
@@ -377,7 +377,7 @@ async def _retiring_host(stack: AsyncExitStack, url: str, num: int):
     return host, gw, engine, tasks
 
 
-def test_a_host_drain_waits_for_a_retiring_replica(server) -> None:
+async def test_a_host_drain_waits_for_a_retiring_replica(server) -> None:
     num = 8
 
     async def main() -> None:
@@ -389,10 +389,10 @@ def test_a_host_drain_waits_for_a_retiring_replica(server) -> None:
             replies = await asyncio.gather(*tasks)
             assert sorted(r.request_id for r in replies) == sorted(f"h{i}" for i in range(num))
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_a_stopped_replica_answers_its_inflight_requests_with_errors(server) -> None:
+async def test_a_stopped_replica_answers_its_inflight_requests_with_errors(server) -> None:
     num = 8
 
     async def main() -> None:
@@ -406,10 +406,10 @@ def test_a_stopped_replica_answers_its_inflight_requests_with_errors(server) -> 
             assert any(isinstance(r, RequestRejected) for r in results)
             await wait_until(lambda: not gw.pending, 5, "the gateway to release the unanswered requests")
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_requests_waiting_for_a_replica_go_to_one_that_comes_back_with_the_same_id(server) -> None:
+async def test_requests_waiting_for_a_replica_go_to_one_that_comes_back_with_the_same_id(server) -> None:
     num = 6
 
     async def main() -> None:
@@ -445,10 +445,10 @@ def test_requests_waiting_for_a_replica_go_to_one_that_comes_back_with_the_same_
             assert all(isinstance(r, RequestRejected) and r.code == ErrorCode.NO_REPLICA for r in results), results
             assert not gw.pending
 
-    asyncio.run(asyncio.wait_for(main(), 40))
+    await asyncio.wait_for(main(), 40)
 
 
-def test_an_engine_error_reply_releases_the_gateways_pending_entry(server) -> None:
+async def test_an_engine_error_reply_releases_the_gateways_pending_entry(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(
@@ -466,7 +466,7 @@ def test_an_engine_error_reply_releases_the_gateways_pending_entry(server) -> No
             assert any("huge" in c.released and not c.items for c in got_completed)  # no numbers to learn from
             assert (await client.submit(input_tokens=10, max_tokens=2, timeout_s=5)).replica_id == "r0"
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
 class _FailingForwards:
@@ -484,7 +484,7 @@ class _FailingForwards:
         return await self._nc.publish(subject, *args, **kwargs)
 
 
-def test_a_failed_forward_is_answered_and_never_owned(server) -> None:
+async def test_a_failed_forward_is_answered_and_never_owned(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
@@ -496,10 +496,10 @@ def test_a_failed_forward_is_answered_and_never_owned(server) -> None:
             gw.nc = nc
             assert (await client.submit(input_tokens=10, max_tokens=2, request_id="f1", timeout_s=5)).request_id == "f1"
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_heartbeats_with_bad_replica_ids_are_refused_and_liveness_keeps_running(server) -> None:
+async def test_heartbeats_with_bad_replica_ids_are_refused_and_liveness_keeps_running(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(
@@ -514,10 +514,10 @@ def test_heartbeats_with_bad_replica_ids_are_refused_and_liveness_keeps_running(
             assert gw.running and gw.failure is None and gw.live_replicas == ["r0"]
             assert (await client.submit(input_tokens=10, max_tokens=2, timeout_s=5)).replica_id == "r0"
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_a_worker_whose_background_loop_fails_stops_loudly(server, caplog) -> None:
+async def test_a_worker_whose_background_loop_fails_stops_loudly(server, caplog) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
@@ -531,11 +531,11 @@ def test_a_worker_whose_background_loop_fails_stops_loudly(server, caplog) -> No
             with pytest.raises(NoGateway):  # it no longer accepts requests it could not own
                 await client.submit(input_tokens=10, max_tokens=2, timeout_s=2)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
     assert "background loop failed" in caplog.text
 
 
-def test_a_replica_drained_while_it_starts_never_serves(server) -> None:
+async def test_a_replica_drained_while_it_starts_never_serves(server) -> None:
     from oserve.streams.schemas import DrainReplica, ReplicaDrained, ReplicaReady, ReplicaSpec, StartReplica
     from oserve.workers.engine_host import EngineHost, EngineHostConfig
 
@@ -561,10 +561,10 @@ def test_a_replica_drained_while_it_starts_never_serves(server) -> None:
             await nc.flush()
             assert "h1" not in host.engines and not any(isinstance(e, ReplicaReady) for e in events)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_a_request_id_reused_by_another_client_never_gets_the_first_ones_answer(server) -> None:
+async def test_a_request_id_reused_by_another_client_never_gets_the_first_ones_answer(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client_a = await start_system(stack, server.url, replica_ids=("r0",),
@@ -586,10 +586,10 @@ def test_a_request_id_reused_by_another_client_never_gets_the_first_ones_answer(
             assert again == ra  # A's own retry still gets its stored answer
             assert engines[0].num_answered == 2
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_replay_runs_use_unique_request_ids(server) -> None:
+async def test_replay_runs_use_unique_request_ids(server) -> None:
     from oserve.workers.system import replay
     from oserve.traces import Request, Trace
 
@@ -611,10 +611,10 @@ def test_replay_runs_use_unique_request_ids(server) -> None:
             assert len(set(seen)) == 2 * len(trace)
             assert engines[0].num_answered == 2 * len(trace) and engines[0].num_duplicates == 0
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
 
 
-def test_the_gateway_learns_from_completions_with_what_it_classed_by(server) -> None:
+async def test_the_gateway_learns_from_completions_with_what_it_classed_by(server) -> None:
     """The live estimator learns each completion with its client tag and max tokens, as the simulator's
     gateway does: two clients with one prompt length and very different answers are told apart."""
     from oserve.online_types import OnlineTypes
@@ -643,12 +643,12 @@ def test_the_gateway_learns_from_completions_with_what_it_classed_by(server) -> 
             await wait_until(lambda: not gw.pending, 10, "every completion")
             return {t: gw.estimator.estimate_output_one(500, tag=t, max_tokens=1000) for t in ("clientA", "clientB")}
 
-    after = asyncio.run(asyncio.wait_for(main(), 60))
+    after = await asyncio.wait_for(main(), 60)
     assert before["clientA"] == before["clientB"]  # nothing learned of either client yet
     assert after["clientB"] > 10 * after["clientA"], after
 
 
-def test_the_gateway_learns_by_at_most_max_client_tags_tags(server) -> None:
+async def test_the_gateway_learns_by_at_most_max_client_tags_tags(server) -> None:
     """A client minting a new tag per request cannot grow the estimator: tags past the cap are untagged."""
     async def main() -> list:
         async with AsyncExitStack() as stack:
@@ -658,5 +658,5 @@ def test_the_gateway_learns_by_at_most_max_client_tags_tags(server) -> None:
                 await client.submit(input_tokens=50, max_tokens=5, request_id=f"m{i}", tags={"client": f"c{i}"})
             return [gw._known_tag(f"c{i}") for i in range(7)]
 
-    tags = asyncio.run(asyncio.wait_for(main(), 30))
+    tags = await asyncio.wait_for(main(), 30)
     assert tags[:3] == ["c0", "c1", "c2"] and tags[3:] == [None] * 4

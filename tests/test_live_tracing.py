@@ -63,7 +63,7 @@ def test_exporter_is_chosen_by_config() -> None:
         TracingConfig(exporter="jaeger-thrift")  # type: ignore[arg-type]
 
 
-def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
+async def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
     setup = setup_tracing(TracingConfig(exporter="memory"))
     tracer = setup.tracer
 
@@ -75,7 +75,7 @@ def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
             with pytest.raises(RequestRejected):
                 await client.submit_raw(b"{oops", "bad", timeout_s=5)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
     spans = setup.exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
     clients = [s for s in spans if step(s) == "client.submit" and s.attributes["oserve.request_id"].startswith("t")]
@@ -97,7 +97,7 @@ def test_one_trace_from_client_through_gateway_and_engine(server) -> None:
     setup.shutdown()
 
 
-def test_a_request_span_links_to_the_switch_that_put_its_assignment_in_force(server) -> None:
+async def test_a_request_span_links_to_the_switch_that_put_its_assignment_in_force(server) -> None:
     from oserve.streams.schemas import AssignmentSet, encode
 
     setup = setup_tracing(TracingConfig(exporter="memory"))
@@ -114,7 +114,7 @@ def test_a_request_span_links_to_the_switch_that_put_its_assignment_in_force(ser
                 await asyncio.sleep(0.01)
             await client.submit(input_tokens=100, max_tokens=10, request_id="after", timeout_s=5)
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
     spans = setup.exporter.get_finished_spans()
     switch = next(s for s in spans if step(s) == "switch.execute")
     routed = {s.attributes["oserve.request_id"]: s for s in spans if step(s) == "gateway.route"}
@@ -146,7 +146,7 @@ def test_the_file_exporter_writes_otlp_json_lines(tmp_path) -> None:
     assert by_name["child"]["kind"] == 1  # SPAN_KIND_INTERNAL, an integer as OTLP/JSON requires
 
 
-def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -> None:
+async def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -> None:
     import numpy as np
 
     from oserve.streams.jetstream import ensure_streams
@@ -183,7 +183,7 @@ def test_one_trace_per_replan_from_forecast_through_strategy_to_switch(server) -
             await asyncio.wait_for(switched_to("s1"), 10)
         await nc.close()
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    await asyncio.wait_for(main(), 30)
     spans = setup.exporter.get_finished_spans()
     forecast = next(s for s in spans if step(s) == "forecast.made")
     same = [s for s in spans if s.context.trace_id == forecast.context.trace_id]
@@ -225,7 +225,7 @@ def test_live_view_folds_telemetry_and_plan_events() -> None:
     assert "r0=TP2xPP1" in text and "serving: s1" in text
 
 
-def test_each_worker_is_a_service_and_spans_follow_the_genai_and_messaging_conventions(server) -> None:
+async def test_each_worker_is_a_service_and_spans_follow_the_genai_and_messaging_conventions(server) -> None:
     import numpy as np
 
     from oserve.traces import load_trace
@@ -251,7 +251,7 @@ def test_each_worker_is_a_service_and_spans_follow_the_genai_and_messaging_conve
         finally:
             await nc.close()
 
-    exporter = asyncio.run(asyncio.wait_for(main(), 60))
+    exporter = await asyncio.wait_for(main(), 60)
     spans = exporter.get_finished_spans()
     service = {step(s): s.resource.attributes["service.name"] for s in spans}
     assert service["client.submit"] == "oserve"

@@ -84,7 +84,7 @@ async def _until(predicate, timeout_s: float) -> None:
     await asyncio.wait_for(wait(), timeout_s)
 
 
-def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
+async def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
     subjects = unique_subjects()
     config = SystemConfig(subjects=subjects, span_s=SPAN_S, speedup=20.0, heartbeat_interval_wall_s=0.1,
                           forecaster="last_value", twin=False)
@@ -115,7 +115,7 @@ def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
         return replies, during, after, num_types
 
     try:
-        replies, fams, after, num_types = asyncio.run(asyncio.wait_for(main(), 60))
+        replies, fams, after, num_types = await asyncio.wait_for(main(), 60)
     finally:
         metrics_server.stop()
     engines = {r.replica_id for r in replies}
@@ -165,12 +165,12 @@ def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
     assert 0.0 <= samples(after["oserve_misclassified_ratio"])[0] <= 1.0
 
 
-def test_the_metrics_port_option_of_oserve_up(server) -> None:
+async def test_the_metrics_port_option_of_oserve_up(server) -> None:
     subjects = unique_subjects()
     port = free_port()
     launch = "import sys, oserve.cli.live_cmds; from oserve.cli import main; main()"
     proc = subprocess.Popen([sys.executable, "-c", launch, "up", "--nats", server.url, "--prefix", subjects.prefix,
-                             "--speedup", "60", "--duration-s", "60", "--metrics-port", str(port)],
+                             "--speedup", "60", "--duration-s", "60", "--metrics-port", str(port), "--http-port", "0"],
                             stderr=subprocess.PIPE, text=True)
     try:
         async def main() -> None:
@@ -188,7 +188,7 @@ def test_the_metrics_port_option_of_oserve_up(server) -> None:
             await asyncio.gather(*[client.submit(input_tokens=100, max_tokens=8, timeout_s=10) for _ in range(3)])
             await client.close()
 
-        asyncio.run(asyncio.wait_for(main(), 40))
+        await asyncio.wait_for(main(), 40)
         fams = scrape(f"http://127.0.0.1:{port}/metrics")
         assert sum(samples(fams["vllm:request_success"], "_total")) == 3
         assert samples(fams["oserve_requests_accepted"], "_total") == [3.0]
