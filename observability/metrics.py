@@ -114,6 +114,12 @@ class Metrics:
                                     "replica went silent.", registry=r)
         self.gateway_inflight = Gauge("oserve_gateway_inflight_requests", "Requests a gateway owns now "
                                       "(forwarded or held, not answered yet).", ("gateway",), registry=r)
+        # --- the OpenAI-compatible HTTP front
+        self.http_requests = Counter("oserve_http_requests", "Requests to the OpenAI-compatible HTTP front, by "
+                                     "endpoint and HTTP status.", ("endpoint", "status"), registry=r)
+        self.http_seconds = Histogram("oserve_http_request_duration_seconds", f"Time from a request's arrival at "
+                                      f"the HTTP front to its last byte, streamed answers included ({WALL}), by "
+                                      f"endpoint.", ("endpoint",), buckets=E2E_BUCKETS_S, registry=r)
         self._shapes: set[tuple[str, str]] = set()  # (tp, pp) label pairs of the deployment last set
 
     # --- engines -------------------------------------------------------------------------------------
@@ -192,6 +198,11 @@ class Metrics:
         self.switch_seconds.observe(wall_s)
 
     # --- gateway ---------------------------------------------------------------------------------------
+
+    def http_request(self, endpoint: str, status: int, wall_s: float) -> None:
+        """One request the HTTP front answered (a streamed one when its stream ended)."""
+        self.http_requests.labels(endpoint, str(status)).inc()
+        self.http_seconds.labels(endpoint).observe(wall_s)
 
     def track_inflight(self, gateway_id: str, count: Callable[[], int]) -> None:
         """Report `count()` (read at scrape time, on the server's thread) as the gateway's in-flight requests."""

@@ -141,10 +141,14 @@ class OServeClient:
         if self.tracer is not None:  # only a traced client needs OpenTelemetry (the server extra)
             from opentelemetry.trace import SpanKind
 
-            from oserve.observability.tracing import inject
+            from oserve.observability.tracing import inject, messaging_attributes, messaging_span_name
 
-            span = self.tracer.start_span("client.stream", kind=SpanKind.CLIENT,
-                                          attributes={"oserve.step": "client.stream", "oserve.request_id": request_id})
+            subject = self.subjects.submit()
+            span = self.tracer.start_span(messaging_span_name("publish", subject), kind=SpanKind.CLIENT,
+                                          attributes={"oserve.step": "client.stream", "oserve.request_id": request_id,
+                                                      **messaging_attributes(subject, "send", "publish",
+                                                                             message_id=request_id,
+                                                                             body_size_bytes=len(payload))})
             headers = inject(span)
         sub = await self.nc.subscribe(inbox)
         try:

@@ -251,3 +251,52 @@ async def test_errors_come_in_openai_shape(server) -> None:
                 assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
             r = await http.get(f"{base}/v1/nothing")
             assert r.status_code == 404 and "error" in r.json()
+
+
+# --- the front's own span and metrics ---------------------------------------------------------------------
+
+
+async def test_the_front_traces_each_call_into_the_bus_and_counts_it(server) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from oserve.observability.metrics import Metrics
+    from oserve.observability.tracing import TracingConfig, setup_tracing
+
+    setup = setup_tracing(TracingConfig(exporter="memory"))
+    metrics = Metrics(CollectorRegistry())
+    async with AsyncExitStack() as stack:
+        nc, subjects, _, _ = await start(stack, server.url, front=False)
+        front = await stack.enter_async_context(OpenAIFront(nc, HTTPFrontConfig(
+            model_name=MODEL, subjects=subjects, port=0, request_timeout_s=10.0),
+            tracer=setup.tracer_for("http"), metrics=metrics))
+        api = openai_client(front)
+        await api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        stream = await api.completions.create(model=MODEL, prompt="hello", max_tokens=4, stream=True)
+        async for _ in stream:
+            pass
+        with pytest.raises(openai.NotFoundError):
+            await api.completions.create(model="gpt-4", prompt="x")
+        await api.close()
+    spans = setup.exporter.get_finished_spans()
+    served = [s for s in spans if s.attributes.get("oserve.step") == "http.serve"]
+    assert sorted(s.name for s in served) == ["POST /v1/chat/completions", "POST /v1/completions",
+                                              "POST /v1/completions"]
+    assert {s.resource.attributes["service.name"] for s in served} == {"oserve-http"}
+    chat = next(s for s in served if s.name.endswith("chat/completions"))
+    assert chat.attributes["gen_ai.operation.name"] == "chat" and chat.attributes["gen_ai.request.model"] == MODEL
+    assert chat.attributes["gen_ai.usage.output_tokens"] == 5 and chat.attributes["gen_ai.request.max_tokens"] == 5
+    assert chat.attributes["http.response.status_code"] == 200
+    assert list(chat.attributes["gen_ai.response.finish_reasons"]) == ["length"]
+    # the front's publish is the HTTP span's child: one trace from HTTP to the bus
+    children = [s for s in spans if s.parent is not None and s.parent.span_id == chat.context.span_id]
+    assert children and all(c.name == f"publish {subjects.submit()}" for c in children)
+    missing = next(s for s in served if s.attributes["http.response.status_code"] == 404)
+    assert missing.attributes["error.type"] == "model_not_found" and not missing.status.is_ok
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in families["oserve_http_requests"].samples
+              if s.name == "oserve_http_requests_total"}
+    assert counts == {("/v1/chat/completions", "200"): 1, ("/v1/completions", "200"): 1, ("/v1/completions", "404"): 1}
+    durations = [s for s in families["oserve_http_request_duration_seconds"].samples if s.name.endswith("_count")]
+    assert sum(s.value for s in durations) == 3
+    setup.shutdown()

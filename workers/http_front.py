@@ -43,10 +43,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from oserve.errors import ConfigError
+from oserve.observability.metrics import Metrics
+from oserve.observability.tracing import GEN_AI_PROVIDER, extract
 from oserve.streams.client import ClientError, NoGateway, OServeClient, RequestRejected, RequestTimeout
 from oserve.streams.schemas import (MAX_MESSAGE_BYTES, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MAX_TOKENS, ErrorCode,
                                     Reply, ReplyChunk, SubmitRequest, encode)
@@ -305,10 +309,12 @@ class OpenAIFront(Worker):
 
     name = "http"
 
-    def __init__(self, nc: NATS, config: HTTPFrontConfig, *, client: OServeClient | None = None) -> None:
+    def __init__(self, nc: NATS, config: HTTPFrontConfig, *, client: OServeClient | None = None,
+                 tracer: Tracer | None = None, metrics: Metrics | None = None) -> None:
         super().__init__()
-        self.nc, self.config = nc, config
-        self.client = client or OServeClient(nc, config.subjects, default_timeout_s=config.request_timeout_s)
+        self.nc, self.config, self.tracer, self.metrics = nc, config, tracer, metrics
+        self.client = client or OServeClient(nc, config.subjects, default_timeout_s=config.request_timeout_s,
+                                             tracer=tracer)
         self.app = self._build_app()
         self._server: _Server | None = None
         self._sock: socket.socket | None = None
@@ -467,14 +473,54 @@ class OpenAIFront(Worker):
     async def _chat(self, request: Request) -> Response:
         return await self._serve_call("chat", request)
 
+    def _start_span(self, kind: Literal["completion", "chat"], request: Request) -> Span | None:
+        """The request's HTTP server span, child of the caller's W3C trace context when it sent one; it is
+        also the GenAI span of the call (`gen_ai.*` attributes; the engine's span is its descendant)."""
+        if self.tracer is None:
+            return None
+        endpoint = request.url.path
+        return self.tracer.start_span(
+            f"POST {endpoint}", context=extract(dict(request.headers)), kind=SpanKind.SERVER,
+            attributes={"oserve.step": "http.serve", "http.request.method": "POST", "url.path": endpoint,
+                        "url.scheme": request.url.scheme, "server.port": self.port or 0,
+                        "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
+                        "gen_ai.provider.name": GEN_AI_PROVIDER, "gen_ai.request.model": self.config.model_name})
+
+    def _finished(self, span: Span | None, endpoint: str, started_s: float, status: int, *,
+                  call: _Call | None = None, reply: Reply | None = None, error: APIError | None = None) -> None:
+        """Record one answered request on its span and in the metrics; ends the span."""
+        if self.metrics is not None:
+            self.metrics.http_request(endpoint, status, time.perf_counter() - started_s)
+        if span is None:
+            return
+        span.set_attribute("http.response.status_code", status)
+        if call is not None:
+            span.set_attribute("oserve.request_id", call.response_id)
+            span.set_attribute("gen_ai.request.max_tokens", call.max_tokens)
+            span.set_attribute("gen_ai.response.id", call.response_id)
+        if reply is not None and call is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", reply.input_tokens)
+            span.set_attribute("gen_ai.usage.output_tokens", reply.output_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [self._finish_reason(call, reply)])
+        if error is not None:
+            span.set_attribute("error.type", error.code or error.type)
+            span.set_status(Status(StatusCode.ERROR, error.message))
+        span.end()
+
     async def _serve_call(self, kind: Literal["completion", "chat"], request: Request) -> Response:
         self.num_requests += 1
+        started_s, endpoint = time.perf_counter(), request.url.path
+        span = self._start_span(kind, request)
         if self.num_inflight >= self.config.max_concurrent_requests:
             self.num_errors += 1
-            return APIError(429, f"{self.num_inflight} requests in flight at this server; retry later",
-                            "rate_limit_error", code=ErrorCode.OVERLOADED).response()
+            error = APIError(429, f"{self.num_inflight} requests in flight at this server; retry later",
+                             "rate_limit_error", code=ErrorCode.OVERLOADED)
+            self._finished(span, endpoint, started_s, 429, error=error)
+            return error.response()
         self.num_inflight += 1
-        handed_over = False  # a stream releases its slot when its generator ends
+        handed_over = False  # a stream releases its slot (and ends its span) when its generator ends
+        call: _Call | None = None
+        current = trace.use_span(span, end_on_exit=False) if span is not None else contextlib.nullcontext()
         try:
             call = self._parse(kind, await self._read_json(request))
             payload = encode(call.request)
@@ -484,23 +530,32 @@ class OpenAIFront(Worker):
                                code="context_length_exceeded")
             if not call.stream:
                 try:
-                    reply = await self.client.submit_raw(payload, call.response_id)
+                    with current:  # the client's publish span is a child of the HTTP span
+                        reply = await self.client.submit_raw(payload, call.response_id)
                 except ClientError as exc:
                     raise api_error(exc) from None
                 assert isinstance(reply, Reply)
+                self._finished(span, endpoint, started_s, 200, call=call, reply=reply)
                 return JSONResponse(self._whole(call, reply))
             events = self.client.stream_raw(payload, call.response_id)
             try:
-                first = await anext(events)  # errors before the first part still get their HTTP status
+                with current:
+                    first = await anext(events)  # errors before the first part still get their HTTP status
             except ClientError as exc:
                 await events.aclose()
                 raise api_error(exc) from None
             handed_over = True
-            return StreamingResponse(self._sse(call, first, events), media_type="text/event-stream",
+            return StreamingResponse(self._sse(call, first, events, span, started_s, endpoint),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": call.response_id})
         except APIError as exc:
             self.num_errors += 1
+            self._finished(span, endpoint, started_s, exc.status, call=call, error=exc)
             return exc.response()
+        except BaseException as exc:  # recorded, then left to the app's outermost handler (a 500) or to cancel
+            self._finished(span, endpoint, started_s, 500, call=call,
+                           error=APIError(500, type(exc).__name__, "server_error", code=ErrorCode.INTERNAL))
+            raise
         finally:
             if not handed_over:
                 self.num_inflight -= 1
@@ -544,17 +599,21 @@ class OpenAIFront(Worker):
         return {"id": call.response_id, "object": obj, "created": created, "model": self.config.model_name,
                 "choices": [choice]}
 
-    async def _sse(self, call: _Call, first: ReplyChunk | Reply,
-                   events: AsyncIterator[ReplyChunk | Reply]) -> AsyncIterator[bytes]:
+    async def _sse(self, call: _Call, first: ReplyChunk | Reply, events: AsyncIterator[ReplyChunk | Reply],
+                   span: Span | None = None, started_s: float = 0.0, endpoint: str = "") -> AsyncIterator[bytes]:
         """The event stream of one streamed answer: its chunks, a last one with the finish reason, the usage
-        when asked, then `[DONE]`. An error after the first event is sent as an `error` event."""
+        when asked, then `[DONE]`. An error after the first event is sent as an `error` event. Its end
+        ends the request's span and records it (status 200: the headers went out before the stream)."""
         created = int(time.time())
+        last: Reply | None = None
+        failure: APIError | None = None
         try:
             if call.kind == "chat":
                 yield _sse(self._chunk(call, created, "", None, role=True))
             part: ReplyChunk | Reply | None = first
             while part is not None:
                 if isinstance(part, Reply):
+                    last = part
                     yield _sse(self._chunk(call, created, None, self._finish_reason(call, part)))
                     if call.include_usage:
                         yield _sse({"id": call.response_id, "object": self._chunk(call, created, None, None)["object"],
@@ -569,9 +628,11 @@ class OpenAIFront(Worker):
                     part = None
                 except ClientError as exc:
                     self.num_errors += 1
-                    yield _sse(api_error(exc).body())
+                    failure = api_error(exc)
+                    yield _sse(failure.body())
                     break
             yield b"data: [DONE]\n\n"
         finally:
             self.num_inflight -= 1
+            self._finished(span, endpoint, started_s, 200, call=call, reply=last, error=failure)
             await events.aclose()  # type: ignore[attr-defined]

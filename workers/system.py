@@ -245,7 +245,8 @@ class LiveSystem:
             from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront
 
             self.http = OpenAIFront(nc, HTTPFrontConfig(model_name=cfg.model, subjects=cfg.subjects,
-                                                        host=cfg.http_host, port=cfg.http_port))
+                                                        host=cfg.http_host, port=cfg.http_port),
+                                    tracer=tracer("http"), metrics=metrics)
             await self.http.start()
 
     def _workers(self):
