@@ -127,6 +127,8 @@ async def _serve(url: str, config, duration_s: float, label: str, view: bool = F
         await system.start()
         typer.echo(f"oserve {label}: running on {redact_url(url)} (prefix {config.subjects.prefix}, speedup {config.speedup}); "
                    f"Ctrl-C drains and stops", err=True)
+        if system.http is not None:
+            typer.echo(f"OpenAI-compatible API at {system.http.url}", err=True)
         live_view = LiveView(config.subjects) if view else None
         if live_view is not None:
             await live_view.attach(nc)
