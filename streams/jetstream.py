@@ -6,6 +6,8 @@ Streams (file storage, so a NATS restart loses nothing):
 - plans: forecast, strategy, assignment and switch events;
 - telemetry: heartbeats and telemetry (published on core NATS for the router; captured here with a short
   age and size bound, `StreamLimits.telemetry_max_age_s`, so a telemetry consumer reads recent history).
+The plans and telemetry streams allow direct get (`$JS.API.DIRECT.GET.<stream>`), so a read-only user
+(`oserve top`) reads their history without creating a consumer.
 The KV bucket holds the latest strategy under `Subjects.STRATEGY_KEY` and the assignment the routers
 follow under `Subjects.ASSIGNMENT_KEY`. The models object store (`ensure_model_store`) holds trained
 models, so a restarted worker reuses them instead of training again.
@@ -63,8 +65,9 @@ def stream_configs(subjects: Subjects, limits: StreamLimits = StreamLimits()) ->
     return [
         StreamConfig(name=subjects.stream_arrivals(), subjects=[subjects.arrivals()], **common),
         StreamConfig(name=subjects.stream_completions(), subjects=[subjects.completions()], **common),
-        StreamConfig(name=subjects.stream_plans(), subjects=[subjects.plan_events()], **common),
+        StreamConfig(name=subjects.stream_plans(), subjects=[subjects.plan_events()], allow_direct=True, **common),
         StreamConfig(name=subjects.stream_telemetry(), subjects=[subjects.heartbeats(), subjects.all_telemetry()],
+                     allow_direct=True,
                      **{**common, "max_age": limits.telemetry_max_age_s, "max_bytes": limits.telemetry_max_bytes,
                         "duplicate_window": min(limits.duplicate_window_s, limits.telemetry_max_age_s)}),
     ]

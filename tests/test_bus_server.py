@@ -192,9 +192,14 @@ async def test_the_telemetry_user_reads_the_streams_and_publishes_nothing() -> N
 
         tele = await nats.connect(url, user="telemetry", password="test-telemetry", error_cb=on_error,
                                   inbox_prefix=f"{subjects.reply_prefix()}.telemetry")
-        # it can consume: the stored heartbeat and strategy, through its own consumers
-        view = await snapshot_once(tele.jetstream(), TopConfig(subjects=subjects, fetch_wait_s=0.3))
+        # it reads the stored heartbeat and strategy by direct get, creating nothing on the server
+        view = await snapshot_once(tele, TopConfig(subjects=subjects))
         assert view.heartbeats["r0"].num_running == 3 and view.strategy and view.strategy.strategy_id == "s1"
+        tjs = tele.jetstream()
+        first = await tjs.get_msg(subjects.stream_plans(), seq=1, direct=True)
+        assert first.subject == subjects.plan_event("strategy") and first.data
+        last = await tjs.get_last_msg(subjects.stream_telemetry(), subjects.heartbeat("r0"), direct=True)
+        assert last.data and last.subject == subjects.heartbeat("r0")
         live: list[str] = []
 
         async def on_plan(msg) -> None:
@@ -226,6 +231,109 @@ async def test_the_telemetry_user_reads_the_streams_and_publishes_nothing() -> N
             await asyncio.sleep(0.05)
         assert len(errors) >= 6 and all("ermissions" in str(e) for e in errors), errors
         assert (await worker.jetstream().stream_info(subjects.stream_plans())).state.messages == 2  # nothing forged
+        await tele.close()
+        await worker.close()
+
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        await asyncio.wait_for(main(srv.url), 30)
+
+
+async def test_the_telemetry_user_may_not_create_consumers() -> None:
+    """A push consumer's deliver subject is not checked against its creator's permissions: one made by the
+    telemetry user could re-publish stored plan events onto a control subject, so it may create none."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from oserve.streams.schemas import StrategyChosen, encode
+
+    subjects = Subjects("oserve")  # the permissions name the production prefix
+
+    async def main(url: str) -> None:
+        worker = await nats.connect(url, user="worker", password="test-worker")
+        wjs = worker.jetstream()
+        await ensure_streams(wjs, subjects)
+        await wjs.publish(subjects.plan_event("strategy"), encode(StrategyChosen(
+            strategy_id="s1", span_index=1, replicas=[], weights=[], switch_s=0.0, forecast_rps=[])))
+        hijacked: list[bytes] = []
+
+        async def on_control(msg) -> None:
+            hijacked.append(msg.data)
+
+        await worker.subscribe(subjects.host_control("h0"), cb=on_control)
+        await worker.flush()
+
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        tele = await nats.connect(url, user="telemetry", password="test-telemetry", error_cb=on_error,
+                                  inbox_prefix=f"{subjects.reply_prefix()}.telemetry")
+        tjs = tele.jetstream(timeout=0.5)
+        push = ConsumerConfig(deliver_subject=subjects.host_control("h0"), deliver_policy=DeliverPolicy.ALL,
+                              ack_policy=AckPolicy.NONE)
+        pull = ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE)
+        for stream in (subjects.stream_plans(), subjects.stream_telemetry()):
+            for cfg in (push, pull, ConsumerConfig(durable_name="d", ack_policy=AckPolicy.NONE)):
+                with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                    await tjs.add_consumer(stream, cfg)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await tjs.pull_subscribe(subjects.plan_events(), stream=subjects.stream_plans())
+        await tele.flush()
+        for _ in range(50):
+            if len(errors) >= 7:
+                break
+            await asyncio.sleep(0.05)
+        assert len(errors) >= 7 and all("ermissions" in str(e) for e in errors), errors
+        for stream in (subjects.stream_plans(), subjects.stream_telemetry()):
+            assert await wjs.consumers_info(stream) == []
+        # history stays readable without a consumer
+        msg = await tjs.get_last_msg(subjects.stream_plans(), subjects.plan_event("strategy"), direct=True)
+        assert msg.data and msg.subject == subjects.plan_event("strategy")
+        await worker.flush()
+        assert hijacked == []
+        await tele.close()
+        await worker.close()
+
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        await asyncio.wait_for(main(srv.url), 30)
+
+
+async def test_oserve_top_follows_new_messages_once_as_the_telemetry_user() -> None:
+    from oserve.observability.live_view import LiveView
+    from oserve.observability.top import TelemetryFeed, TopConfig
+    from oserve.streams.schemas import Heartbeat, SwitchPlanned, encode
+
+    subjects = Subjects("oserve")  # the permissions name the production prefix
+
+    def switch(strategy_id: str) -> bytes:
+        return encode(SwitchPlanned(strategy_id=strategy_id, start_ids=["r1"], retire_ids=[], switch_s=1.0))
+
+    async def main(url: str) -> None:
+        worker = await nats.connect(url, user="worker", password="test-worker")
+        wjs = worker.jetstream()
+        await ensure_streams(wjs, subjects)
+        await wjs.publish(subjects.plan_event("switch"), switch("s1"))
+        tele = await nats.connect(url, user="telemetry", password="test-telemetry",
+                                  inbox_prefix=f"{subjects.reply_prefix()}.telemetry")
+        view = LiveView(subjects)
+        feed = TelemetryFeed(tele, view, TopConfig(subjects=subjects))
+        await feed.catch_up()
+        assert len(view.switch_log) == 1
+        async with asyncio.TaskGroup() as tg:
+            follower = tg.create_task(feed.follow())
+            await wjs.publish(subjects.plan_event("switch"), switch("s2"))
+            await worker.publish(subjects.heartbeat("r1"), encode(Heartbeat(
+                replica_id="r1", at_s=1.0, num_waiting=0, num_running=4)))
+            await worker.flush()
+
+            async def seen() -> None:
+                while "r1" not in view.heartbeats:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(seen(), 5)
+            follower.cancel()
+        assert [line.split(":")[0] for line in view.switch_log] == ["s1", "s2"]
+        await feed.close()
         await tele.close()
         await worker.close()
 

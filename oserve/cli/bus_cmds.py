@@ -71,10 +71,9 @@ def top_cmd(
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             raise ConfigError(f"cannot connect to NATS at {redact_url(nats_url)}: {exc}") from None
         try:
-            js = nc.jetstream()
             try:
                 if once or json_out:
-                    view = await snapshot_once(js, config)
+                    view = await snapshot_once(nc, config)
                     if json_out:
                         typer.echo(json.dumps(view.snapshot(now_unix_s()), indent=2))
                     else:
@@ -82,21 +81,21 @@ def top_cmd(
 
                         Console(width=160).print(view.render(now_unix_s()))
                     return
-                await live(js)
+                await live(nc)
             except nats.js.errors.NotFoundError as exc:
                 raise ConfigError(f"no telemetry or plans stream under prefix {prefix!r} on "
                                   f"{redact_url(nats_url)}: is a system running there? ({exc})") from None
         finally:
             await nc.close()
 
-    async def live(js) -> None:
+    async def live(nc) -> None:
         from rich.console import Console
         from rich.live import Live
 
         from oserve.observability.live_view import LiveView
 
         view = LiveView(subjects)
-        feed = TelemetryFeed(js, view, config)
+        feed = TelemetryFeed(nc, view, config)
         try:
             await feed.catch_up()
             async with asyncio.TaskGroup() as tg:  # Ctrl-C cancels the follower with the screen loop
