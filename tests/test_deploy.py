@@ -2,7 +2,8 @@
 NATS version everywhere, the stream replication the cluster needs, and the Docker build context.
 
 No kustomize binary here: `render` implements the few kustomization fields deploy/k8s uses (resources,
-namespace, JSON 6902 patches) and refuses any other, so a new field cannot pass unrendered.
+namespace, JSON 6902 patches, and `images`, which `kustomize edit set image` writes) and refuses any
+other, so a new field cannot pass unrendered.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 OVERLAYS = ("gpu", "cpu-sim")
 K8S_VERSION = "1.37.0"  # one that kubernetes-validate ships
-KNOWN_FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches"}
+KNOWN_FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches", "images"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "StorageClass"}
 
 
@@ -58,6 +59,33 @@ def _apply_json6902(obj: dict, ops: list[dict]) -> None:
             raise AssertionError(f"unsupported patch op {op}")
 
 
+def _split_image(image: str) -> tuple[str, str]:
+    """`registry:5000/name:tag@sha256:...` -> (`registry:5000/name`, `:tag@sha256:...`)."""
+    at = image.find("@")
+    head, digest = (image, "") if at < 0 else (image[:at], image[at:])
+    colon = head.rfind(":")
+    if colon > head.rfind("/"):
+        return head[:colon], head[colon:] + digest
+    return head, digest
+
+
+def _apply_images(objs: list[dict], images: list[dict]) -> None:
+    """kustomize's `images:` in place: a container whose image name is `name` takes `newName`, `newTag`
+    and `digest` (a digest replaces the tag), each only where given."""
+    for image in images:
+        assert set(image) <= {"name", "newName", "newTag", "digest"} and "name" in image, image
+        for _, spec in _pod_specs(objs):
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
+                name, suffix = _split_image(c["image"])
+                if name != image["name"]:
+                    continue
+                if "digest" in image:
+                    suffix = "@" + image["digest"]
+                elif "newTag" in image:
+                    suffix = ":" + str(image["newTag"])
+                c["image"] = image.get("newName", name) + suffix
+
+
 def render(folder: Path) -> list[dict]:
     """The objects `kubectl apply -k folder` would apply (for the kustomization fields in KNOWN_FIELDS)."""
     kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
@@ -79,6 +107,7 @@ def render(folder: Path) -> list[dict]:
         assert hits, f"{folder}: patch target {target} matches nothing"
         for obj in hits:
             _apply_json6902(obj, yaml.safe_load(patch["patch"]))
+    _apply_images(objs, kust.get("images", []))
     return objs
 
 
@@ -194,6 +223,48 @@ def test_render_refuses_fields_it_does_not_implement(tmp_path) -> None:
         render(tmp_path)
 
 
+def test_render_sets_images_as_kustomize_edit_set_image_does(tmp_path) -> None:
+    base = (K8S / "overlays" / "cpu-sim").resolve()
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(base)],
+        "images": [{"name": "oserve", "newName": "registry.example:5000/team/oserve", "newTag": "0.2.0"}]}))
+    objs = render(tmp_path)
+    images = {c["image"] for _, spec in _pod_specs(objs) for c in spec["containers"]}
+    oserve = {i for i in images if "oserve" in i}
+    assert oserve == {"registry.example:5000/team/oserve:0.2.0"}, images
+    assert any(i.startswith("nats:") for i in images)  # other images stay as they are
+    digest = "sha256:" + "0" * 64
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(base)], "images": [{"name": "oserve", "digest": digest}]}))
+    assert {c["image"] for _, spec in _pod_specs(render(tmp_path)) for c in spec["containers"]
+            if "oserve" in c["image"]} == {f"oserve@{digest}"}
+    assert _split_image("host:5000/a/b:1.0@sha256:x") == ("host:5000/a/b", ":1.0@sha256:x")
+    assert _split_image("host:5000/a/b") == ("host:5000/a/b", "")
+
+
+def test_every_worker_serves_metrics_scraped_and_probed(rendered) -> None:
+    from oserve.cli.live_cmds import METRICS_PORT
+
+    _, objs = rendered
+    port = METRICS_PORT.default
+    for name in WORKER_NAMES:
+        template = _by(objs, "Deployment", f"oserve-{name}")["spec"]["template"]
+        ann = template["metadata"]["annotations"]
+        assert ann == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                       "prometheus.io/path": "/metrics"}, name
+        (c,) = template["spec"]["containers"]
+        assert {"name": "metrics", "containerPort": port} in c["ports"], name
+        for probe in ("startupProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, (name, probe)
+        ready = c["readinessProbe"]["httpGet"]
+        if name == "http":  # ready only while a gateway answers
+            assert ready == {"path": "/health", "port": "http"}
+            assert {"name": "http", "containerPort": 8000} in c["ports"]
+        else:
+            assert ready == {"path": "/metrics", "port": "metrics"}, name
+        assert "OSERVE_METRICS_PORT" not in {e["name"] for e in c["env"]}  # the default, as the port above
+
+
 # --- NATS configs and versions ------------------------------------------------------------------------
 
 def _nats_configs(tmp_path: Path) -> dict[str, Path]:
@@ -250,6 +321,20 @@ def test_the_cluster_has_the_users_and_permissions_of_the_host_config() -> None:
     sts = _by(render(K8S / "base"), "StatefulSet", "nats")
     env = {e["name"] for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert set(re.findall(r"\$(OSERVE_\w+)", embedded)) <= env
+
+
+def test_compose_gives_nats_its_passwords_and_publishes_the_front_and_metrics() -> None:
+    text = (DEPLOY / "compose.yaml").read_text()
+    compose = yaml.safe_load(text)
+    conf = "\n".join(line.split("#")[0] for line in (DEPLOY / "nats-server.conf").read_text().splitlines())
+    variables = set(re.findall(r"\$(OSERVE_\w+)", conf))
+    assert "OSERVE_TELEMETRY_PASSWORD" in variables
+    assert variables <= set(compose["services"]["nats"]["environment"]), variables
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert all(f"{v}=" in header for v in variables), header  # the command line in the header sets each
+    oserve = compose["services"]["oserve"]
+    assert {"8000:8000", "9090:9090"} <= set(oserve["ports"])
+    assert oserve["environment"]["OSERVE_HTTP_HOST"] == "0.0.0.0"  # the front listens on 127.0.0.1 unless told
 
 
 def test_one_nats_version_everywhere() -> None:
