@@ -65,9 +65,12 @@ class Metrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", f"Histogram of e2e request latency in seconds, "
                              f"from the engine's receipt to its answer ({CLOCK}).", _ENGINE, buckets=E2E_BUCKETS_S,
                              registry=r)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", f"Histogram of time per output token in "
-                              f"seconds: one observation per request of two or more tokens, (e2e - ttft) / "
-                              f"(output tokens - 1) ({CLOCK}).", _ENGINE, buckets=TPOT_BUCKETS_S, registry=r)
+        # per request, as vLLM's request_time_per_output_token_seconds (its time_per_output_token_seconds
+        # is per token, a deprecated alias of inter_token_latency_seconds: not what is measured here)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", f"Histogram of time_per_output_token_"
+                              f"seconds per request: one observation per request of two or more tokens, "
+                              f"(e2e - ttft) / (output tokens - 1) ({CLOCK}).", _ENGINE, buckets=TPOT_BUCKETS_S,
+                              registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _ENGINE,
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
@@ -146,11 +149,19 @@ class Metrics:
         self.request_success.labels(model_name, engine, "abort").inc()
 
     def engine_stopped(self, model_name: str, engine: str) -> None:
-        """Forget a retired engine's gauges (its counters and histograms stay: they are cumulative)."""
-        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+        """Forget a retired engine's series, all of them: every switch names its new replicas afresh
+        (`<strategy>-rK`), so series kept after retirement would grow with the system's uptime. A scraper
+        sees the series end, as it sees a pod's end; what the engine observed after the last scrape is lost."""
+        for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage, self.ttft,
+                       self.e2e, self.tpot, self.prompt_tokens, self.generation_tokens):
             try:
-                gauge.remove(model_name, engine)
-            except KeyError:  # never sampled
+                family.remove(model_name, engine)
+            except KeyError:  # never observed
+                pass
+        for reason in FINISHED_REASONS:
+            try:
+                self.request_success.remove(model_name, engine, reason)
+            except KeyError:
                 pass
 
     # --- forecaster stage ------------------------------------------------------------------------------

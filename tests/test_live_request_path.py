@@ -660,3 +660,17 @@ async def test_the_gateway_learns_by_at_most_max_client_tags_tags(server) -> Non
 
     tags = await asyncio.wait_for(main(), 30)
     assert tags[:3] == ["c0", "c1", "c2"] and tags[3:] == [None] * 4
+
+
+def test_the_dedupe_cache_is_bounded_by_bytes_as_well_as_answers() -> None:
+    """Replies carry their text now: the cache drops its oldest answers once they pass dedupe_max_bytes."""
+    from oserve.errors import ConfigError
+
+    engine = EngineWorker(None, EngineWorkerConfig("r0", dedupe_capacity=100, dedupe_max_bytes=1000), Clock())
+    for i in range(10):
+        engine._remember(f"inbox q{i}", b"x" * 300)
+    assert list(engine._answered) == ["inbox q7", "inbox q8", "inbox q9"] and engine._answered_bytes == 900
+    engine._remember("inbox q8", b"y" * 50)  # the same key again replaces, never double-counts
+    assert engine._answered_bytes == 650 and len(engine._answered) == 3
+    with pytest.raises(ConfigError):
+        EngineWorkerConfig("r0", dedupe_max_bytes=0)

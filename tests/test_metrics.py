@@ -68,7 +68,7 @@ def test_metrics_server_serves_its_own_registry_only() -> None:
     assert fams["vllm:time_to_first_token_seconds"].type == "histogram"
     assert [b for b in (s.labels.get("le") for s in fams["vllm:time_to_first_token_seconds"].samples) if b][:3] == \
         ["0.001", "0.005", "0.01"]
-    assert samples(fams["vllm:time_per_output_token_seconds"], "_sum") == [pytest.approx(0.2)]  # (1.0 - 0.2) / 4
+    assert samples(fams["vllm:request_time_per_output_token_seconds"], "_sum") == [pytest.approx(0.2)]  # (1.0 - 0.2) / 4
     assert samples(fams["vllm:request_success"], "_total", finished_reason="length") == [1.0]
     assert samples(fams["oserve_deployment_replicas"]) == [1.0]
     assert samples(fams["oserve_deployment_replicas"], tp="4", pp="2") == [1.0]
@@ -123,7 +123,7 @@ async def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
     for name, kind in (("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
                        ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:time_to_first_token_seconds", "histogram"),
                        ("vllm:e2e_request_latency_seconds", "histogram"),
-                       ("vllm:time_per_output_token_seconds", "histogram"), ("vllm:prompt_tokens", "counter"),
+                       ("vllm:request_time_per_output_token_seconds", "histogram"), ("vllm:prompt_tokens", "counter"),
                        ("vllm:generation_tokens", "counter"), ("vllm:request_success", "counter")):
         assert fams[name].type == kind, name
         assert {s.labels["model_name"] for s in fams[name].samples} == {"llama2-7b"}, name
@@ -134,7 +134,7 @@ async def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
     assert sum(samples(fams["vllm:request_success"], "_total", finished_reason="stop")) == NUM_REQUESTS
     assert sum(samples(fams["vllm:time_to_first_token_seconds"], "_count")) == NUM_REQUESTS
     assert sum(samples(fams["vllm:e2e_request_latency_seconds"], "_count")) == NUM_REQUESTS
-    assert sum(samples(fams["vllm:time_per_output_token_seconds"], "_count")) == NUM_REQUESTS  # all > 1 token
+    assert sum(samples(fams["vllm:request_time_per_output_token_seconds"], "_count")) == NUM_REQUESTS  # all > 1 token
     assert sum(samples(fams["vllm:prompt_tokens"], "_total")) == sum(r.input_tokens for r in replies)
     assert sum(samples(fams["vllm:generation_tokens"], "_total")) == sum(r.output_tokens for r in replies) == \
         sum(5 + i for i in range(NUM_REQUESTS))
@@ -206,3 +206,31 @@ def test_a_taken_metrics_port_costs_the_endpoint_not_the_worker(caplog) -> None:
         taken.listen()
         assert _metrics_server(taken.getsockname()[1]) == (None, None)
     assert "no /metrics" in caplog.text
+
+
+def test_a_retired_engine_leaves_no_series_behind() -> None:
+    """Every switch names its replicas afresh, so a retired engine's series must go, or they grow forever."""
+    from prometheus_client import generate_latest
+
+    metrics = Metrics(CollectorRegistry())
+    for engine in ("s1-r0", "s2-r0"):
+        metrics.engine_load("m", engine, num_running=1, num_waiting=2, kv_usage_frac=0.5)
+        metrics.request_finished("m", engine, input_tokens=3, output_tokens=4, ttft_s=0.1, e2e_s=0.4,
+                                 finished_reason="stop")
+        metrics.request_aborted("m", engine)
+    metrics.engine_stopped("m", "s1-r0")
+    metrics.engine_stopped("m", "never-seen")  # no error for an engine that observed nothing
+    text = generate_latest(metrics.registry).decode()
+    assert 'engine="s1-r0"' not in text and 'engine="s2-r0"' in text
+
+
+def test_kv_cache_usage_is_blocks_in_use_while_the_router_load_counts_the_queue() -> None:
+    """vLLM's kv_cache_usage_perc is in [0, 1]; the router's load figure adds queued demand and passes 1."""
+    from oserve.workers.backends import Job, SimBackend
+
+    backend = SimBackend("r0")
+    for seq in range(400):
+        backend.add(Job(seq, f"q{seq}", 2000, 512, 0, 0.0), 0.0)
+    backend.advance(backend.next_event_s())
+    load = backend.load()
+    assert load.kv_load_frac > 1.0 and 0.0 < load.kv_usage_frac <= 1.0

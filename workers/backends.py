@@ -80,7 +80,10 @@ class Load:
     num_waiting: int
     num_running: int
     kv_load_frac: float
+    """KV blocks used plus demanded by the queue, over all blocks: the router's load figure (can pass 1)."""
     kv_capacity_tokens: int = 0
+    kv_usage_frac: float = 0.0
+    """KV blocks in use over all blocks, in [0, 1] (vLLM's `kv_cache_usage_perc`)."""
 
 
 class Backend(Protocol):
@@ -195,4 +198,5 @@ class SimBackend:
 
     def load(self) -> Load:
         rep = self.replica
-        return Load(len(rep.waiting), rep.num_running, rep.kv_load_frac(), rep.total_blocks * rep.block_tokens)
+        return Load(len(rep.waiting), rep.num_running, rep.kv_load_frac(), rep.total_blocks * rep.block_tokens,
+                    kv_usage_frac=(rep.total_blocks - rep.free_blocks) / rep.total_blocks)

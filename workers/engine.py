@@ -64,6 +64,9 @@ class EngineWorkerConfig:
     """Clock seconds between telemetry messages."""
     dedupe_capacity: int = 100_000
     """Answered request ids remembered (with their replies) for de-duplication."""
+    dedupe_max_bytes: int = 64 * 1024 * 1024
+    """Bytes of stored replies the de-duplication cache holds at most (the oldest go first): with answers'
+    text in them a reply is about 5 bytes a token, so 100,000 answers of 2,048 tokens would be 1 GB."""
     drain_timeout_wall_s: float = 30.0
     stream_interval_s: float = 0.05
     """Clock seconds between two chunks of a streamed answer (a few decode steps of a 7B model)."""
@@ -78,6 +81,8 @@ class EngineWorkerConfig:
                 raise ConfigError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dedupe_capacity < 1:
             raise ConfigError(f"EngineWorkerConfig.dedupe_capacity must be >= 1, got {self.dedupe_capacity}")
+        if self.dedupe_max_bytes < 1:
+            raise ConfigError(f"EngineWorkerConfig.dedupe_max_bytes must be >= 1, got {self.dedupe_max_bytes}")
 
 
 @dataclass(slots=True)
@@ -115,6 +120,7 @@ class EngineWorker(Worker):
         self._inflight: dict[int, _InFlight] = {}  # seq -> request being served
         self._by_id: dict[str, int] = {}  # dedupe key -> seq, while in flight
         self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # dedupe key -> reply
+        self._answered_bytes = 0  # sum of len() of the replies in _answered
         self._completions: list[Completion] = []
         self._released: list[str] = []  # request ids answered with an error since the last flush
         self._wake = asyncio.Event()
@@ -172,7 +178,7 @@ class EngineWorker(Worker):
             payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.SHUTTING_DOWN,
                                         message=f"replica {self.config.replica_id} stopped before answering"))
             self._released.append(job.request_id)
-            self._answered[item.key] = payload
+            self._remember(item.key, payload)
             if self.metrics is not None:
                 self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
             try:
@@ -285,6 +291,18 @@ class EngineWorker(Worker):
                 await self._send_chunk(item, tokens, now_s)
         self._chunk_tick_s = now_s + interval_s if self._streams else None
 
+    def _remember(self, key: str, payload: bytes) -> None:
+        """Keep an answer for de-duplication, within `dedupe_capacity` answers and `dedupe_max_bytes`."""
+        old = self._answered.pop(key, None)
+        if old is not None:
+            self._answered_bytes -= len(old)
+        self._answered[key] = payload
+        self._answered_bytes += len(payload)
+        while self._answered and (len(self._answered) > self.config.dedupe_capacity
+                                  or self._answered_bytes > self.config.dedupe_max_bytes):
+            _, dropped = self._answered.popitem(last=False)
+            self._answered_bytes -= len(dropped)
+
     async def _finish(self, done: list[Finished]) -> None:
         for f in done:
             item = self._inflight.pop(f.seq, None)
@@ -310,9 +328,7 @@ class EngineWorker(Worker):
                     output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
                     finished_at_s=f.finish_s))
                 self._window_e2e.append(e2e_s)
-            self._answered[item.key] = payload
-            if len(self._answered) > self.config.dedupe_capacity:
-                self._answered.popitem(last=False)
+            self._remember(item.key, payload)
             if item.reply:
                 headers = inject(item.span) if item.span is not None else item.headers
                 await self.nc.publish(item.reply, payload, headers=headers)
@@ -383,7 +399,7 @@ class EngineWorker(Worker):
         load = self.backend.load()
         if self.metrics is not None:
             self.metrics.engine_load(self.config.sim.model, self.config.replica_id, num_running=load.num_running,
-                                     num_waiting=load.num_waiting, kv_usage_frac=load.kv_load_frac)
+                                     num_waiting=load.num_waiting, kv_usage_frac=load.kv_usage_frac)
         await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
             replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,
             num_running=load.num_running, accepting=self._accepting, kv_load_frac=load.kv_load_frac,
