@@ -333,7 +333,7 @@ def test_compose_gives_nats_its_passwords_and_publishes_the_front_and_metrics() 
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     assert all(f"{v}=" in header for v in variables), header  # the command line in the header sets each
     oserve = compose["services"]["oserve"]
-    assert {"8000:8000", "9090:9090"} <= set(oserve["ports"])
+    assert {"8000:8000", "9464:9464"} <= set(oserve["ports"])
     assert oserve["environment"]["OSERVE_HTTP_HOST"] == "0.0.0.0"  # the front listens on 127.0.0.1 unless told
 
 

@@ -171,7 +171,7 @@ TRACING = typer.Option("", help="Span exporter: none, console, otlp, or file (OT
 OTLP_ENDPOINT = typer.Option("", help="OTLP/HTTP traces endpoint. Not given: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else "
                                       "OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, else "
                                       "http://127.0.0.1:4318/v1/traces.", show_default=False)
-METRICS_PORT = typer.Option(9090, "--metrics-port", envvar="OSERVE_METRICS_PORT",
+METRICS_PORT = typer.Option(9464, "--metrics-port", envvar="OSERVE_METRICS_PORT",
                             help="Serve Prometheus metrics at http://0.0.0.0:PORT/metrics; 0: no endpoint. Workers "
                                  "sharing a host need a port each.")
 DURATION_S = typer.Option(0.0, help="Stop after this many wall seconds (0: until Ctrl-C).")
