@@ -117,7 +117,16 @@ class TracingConfig:
           (`{name}-gateway`, ...), since several workers in one process are still several services.
         - `OTEL_RESOURCE_ATTRIBUTES`: added to every provider's resource (`k=v,k2=v2`, percent-encoded).
         - `OTEL_TRACES_SAMPLER`, `OTEL_TRACES_SAMPLER_ARG`: one of `SAMPLERS`, and its ratio.
+        - `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`: only `http/protobuf` (the
+          exporter installed); `grpc` or `http/json` is refused, rather than sending OTLP/HTTP to a port
+          that speaks gRPC and losing every span.
         """
+        protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "").strip()
+                    or env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "").strip())
+        if protocol and protocol != "http/protobuf":
+            raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: OServe exports traces over OTLP/HTTP with protobuf "
+                              f"(http/protobuf) only, got {protocol!r}; point the endpoint at the collector's "
+                              f"OTLP/HTTP port (4318)")
         attrs = _parse_resource_attributes(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
         service_name = env.get("OTEL_SERVICE_NAME", "").strip() or attrs.pop("service.name", "")
         attrs.pop("service.name", None)

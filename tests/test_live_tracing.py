@@ -299,7 +299,7 @@ def test_the_otel_environment_wins_over_the_cli_defaults_and_a_flag_over_both(mo
 
     for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED",
                  "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_SAMPLER",
-                 "OTEL_TRACES_SAMPLER_ARG"):
+                 "OTEL_TRACES_SAMPLER_ARG", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"):
         monkeypatch.delenv(name, raising=False)
     args = ("oserve", "llama2-7b", 8, 1.0, 60.0, "azure-conv")
     plain = _system_config(*args, "", "").tracing
@@ -337,4 +337,10 @@ def test_the_otel_environment_wins_over_the_cli_defaults_and_a_flag_over_both(mo
     monkeypatch.setenv("OTEL_SDK_DISABLED", "false")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        _system_config(*args, "", "")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert _system_config(*args, "", "").tracing.exporter == "otlp"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # refused, not sent to the wrong port
+    with pytest.raises(ValueError, match="http/protobuf"):
         _system_config(*args, "", "")
