@@ -183,6 +183,9 @@ def test_workers_share_one_configuration_and_read_nats_from_the_secret(rendered)
         env = {e["name"]: e for e in c["env"]}
         assert env["OSERVE_NATS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "oserve-nats", "key": "nats-url"}
         assert c["envFrom"] == [{"configMapRef": {"name": "oserve-config"}}]
+        # traces are configured by the OTEL_* variables of the ConfigMap: a flag would override them
+        assert "--tracing" not in args and "--otlp-endpoint" not in args, args
+    assert config["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://jaeger:4318/v1/traces"
     secret = yaml.safe_load((K8S / "secret.example.yaml").read_text())
     keys = {e["valueFrom"]["secretKeyRef"]["key"] for _, spec in _pod_specs(objs) for c in spec["containers"]
             for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
@@ -335,6 +338,7 @@ def test_compose_gives_nats_its_passwords_and_publishes_the_front_and_metrics() 
     oserve = compose["services"]["oserve"]
     assert {"8000:8000", "9464:9464"} <= set(oserve["ports"])
     assert oserve["environment"]["OSERVE_HTTP_HOST"] == "0.0.0.0"  # the front listens on 127.0.0.1 unless told
+    assert "--tracing" not in oserve["command"] and oserve["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
 
 
 def test_one_nats_version_everywhere() -> None:
@@ -401,6 +405,6 @@ def test_the_docker_context_leaves_out_git_and_the_venv() -> None:
 
 def test_the_image_installs_the_server_extra() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r"pip install [^\n]*\.\[server\]", dockerfile), dockerfile
+    assert re.search(r"pip install [^\n]*-c constraints.txt '\.\[server\]'", dockerfile), dockerfile  # pinned
     assert "USER oserve" in dockerfile
 
