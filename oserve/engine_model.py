@@ -183,6 +183,7 @@ class SimReplica:
         self._run_end_s = 0.0
         self._run_chunks: list[tuple[SimRequest, int]] = []  # prefill chunks of the step in progress
         self._run_n_dec = 0
+        self._aborting: list[SimRequest] = []  # abandoned in the batch of the step in progress: gone at its end
 
     # --- load, as a balancer sees it ----------------------------------------------------------
 
@@ -284,10 +285,39 @@ class SimReplica:
         """Apply the step (or run) that ended at `now_s`, then start the next one (unless told not to)."""
         finished = self._apply(now_s)
         self._busy = False
+        if self._aborting:
+            gone, self._aborting = self._aborting, []
+            for r in gone:
+                self._remove(r)
         nxt = None
         if start_next and (self.waiting or self.num_running):
             nxt = self._start(now_s)
         return StepOutcome(tuple(finished), nxt)
+
+    def abort(self, req: SimRequest, now_s: float) -> None:
+        """Remove a request its client abandoned, freeing its KV blocks (vLLM's abort).
+
+        A waiting request leaves at once, and so does a running one between steps. One held while a step
+        is in progress (its batch was built with it) leaves when that step ends: a run of decode steps is
+        cut to end at the first step boundary at or after `now_s`, so that is at most one step away. A
+        request that finished or was rejected meanwhile is left alone (the caller ignores its outcome)."""
+        if not self._busy or req in self.waiting:
+            self._remove(req)
+            return
+        self._aborting.append(req)
+        self.cut(now_s)
+
+    def _remove(self, req: SimRequest) -> None:
+        """Take `req` out of wherever it is (waiting, prefilling, decoding); only between steps for admitted ones."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._queued_tokens -= req.prompt_tokens - req.prefilled
+        elif req in self.prefilling:
+            self.prefilling.remove(req)  # its lazy LIFO entry is skipped later
+            self.free_blocks += req.blocks
+            req.blocks = 0
+        elif self.is_decoding(req):
+            self._leave_decode(req)  # frees its blocks; its lazy heap entries are skipped later
 
     def take_all(self) -> list[SimRequest]:
         """Remove every queued and running request (for re-dispatch); only between steps."""

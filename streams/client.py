@@ -28,14 +28,15 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Sequence
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.api
 from nats.aio.client import Client as NATS
 
 from oserve.errors import OServeError
-from oserve.streams.schemas import (ErrorReply, Ping, Pong, Reply, ReplyChunk, SchemaError, SubmitRequest, decode,
-                                    decode_reply, encode)
+from oserve.streams.schemas import (CancelRequest, ErrorReply, Ping, Pong, Reply, ReplyChunk, SchemaError,
+                                    SubmitRequest, decode, decode_reply, encode)
 from oserve.streams.server import redact_url
 from oserve.streams.subjects import Subjects
 
@@ -67,7 +68,14 @@ class NoGateway(ClientError):
 
 
 class OServeClient:
-    """Async client over one NATS connection; `connect()` makes one, or pass your own `nc`."""
+    """Async client over one NATS connection; `connect()` makes one, or pass your own `nc`.
+
+    Every answer, streamed or not, comes to an inbox under one prefix per client (`nc.new_inbox()`, taken
+    once), so a `submit` and a `stream` with the same request id are the same client's to the gateway and
+    the engines (`dedupe_key`): a retry by either gets the one answer. A request abandoned before its
+    answer (a stream closed early, a timeout, a cancelled task) is cancelled: the client publishes a
+    `CancelRequest` naming its inbox, and the system stops generating it. Sent again with the same id, a
+    cancelled request is served anew."""
 
     def __init__(self, nc: NATS, subjects: Subjects = Subjects(), *, default_timeout_s: float = 60.0,
                  tracer: Tracer | None = None, owns_connection: bool = False) -> None:
@@ -76,8 +84,8 @@ class OServeClient:
         self.nc, self.subjects, self.tracer = nc, subjects, tracer
         self.default_timeout_s = default_timeout_s
         self._owns = owns_connection
-        self._stream_prefix = ""  # one inbox prefix for this client's streams (`dedupe_key` matches its retries)
-        self._stream_seq = itertools.count()
+        self._inbox_prefix = ""  # one inbox prefix for all this client's answers (`dedupe_key` matches its retries)
+        self._inbox_seq = itertools.count()
 
     @classmethod
     async def connect(cls, url: str, *, subjects: Subjects = Subjects(), user: str | None = None,
@@ -128,13 +136,14 @@ class OServeClient:
         request streams again from its start); when the `Reply`'s text goes beyond them, one more chunk
         (`index` -1) with the rest comes before it, so the chunks' texts concatenate to the reply's text
         whenever they are a prefix of it (a re-dispatched sampling engine could answer differently: the
-        `Reply` is the answer). Raises `RequestRejected`, `RequestTimeout`, `NoGateway`, `ClientError`."""
+        `Reply` is the answer). A chunk that overlaps what was yielded (a re-dispatched request's new replica
+        cuts its chunks elsewhere) is passed on with the part already given sliced off (`offset_chars`).
+        Closing the iterator before the `Reply`, or a timeout, cancels the request (`CancelRequest`).
+        Raises `RequestRejected`, `RequestTimeout`, `NoGateway`, `ClientError`."""
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
-        if not self._stream_prefix:
-            self._stream_prefix = self.nc.new_inbox()
-        inbox = f"{self._stream_prefix}.{next(self._stream_seq)}"
+        inbox = self._new_inbox()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         span = headers = None
@@ -151,6 +160,8 @@ class OServeClient:
                                                                              body_size_bytes=len(payload))})
             headers = inject(span)
         sub = await self.nc.subscribe(inbox)
+        ended = False  # the system is done with the request (answered, refused, or nobody took it)
+        reason = "client_closed"
         try:
             await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
             tokens, text = 0, ""  # what was yielded so far
@@ -161,28 +172,33 @@ class OServeClient:
                         raise nats.errors.TimeoutError
                     msg = await sub.next_msg(timeout=left_s)
                 except nats.errors.TimeoutError:
+                    reason = "timeout"
                     raise RequestTimeout(f"request {request_id or '?'}: no full answer within {timeout} s") from None
                 if msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+                    ended = True
                     raise NoGateway(f"no gateway listens on {self.subjects.submit()}")
                 try:
                     answer = decode(msg.data, Reply | ErrorReply | ReplyChunk)
                 except SchemaError as exc:
                     raise ClientError(f"request {request_id or '?'}: unreadable reply: {exc}") from None
                 if isinstance(answer, ErrorReply):
+                    ended = True
                     raise RequestRejected(answer.request_id or request_id, answer.code, answer.message)
                 if isinstance(answer, ReplyChunk):
-                    if answer.offset_tokens == tokens and answer.num_tokens > 0:
-                        tokens, text = tokens + answer.num_tokens, text + answer.text
-                        yield answer
+                    part = new_part(answer, tokens, text)
+                    if part is not None:
+                        tokens, text = tokens + part.num_tokens, text + part.text
+                        yield part
                     continue
                 assert isinstance(answer, Reply)
+                ended = True
                 if not answer.text.startswith(text):
                     log.warning("request %s: the streamed chunks are not a prefix of the final answer",
                                 request_id or "?")
                 elif len(answer.text) > len(text) or answer.output_tokens > tokens:
                     yield ReplyChunk(request_id=answer.request_id, replica_id=answer.replica_id, index=-1,
                                      offset_tokens=tokens, num_tokens=max(0, answer.output_tokens - tokens),
-                                     text=answer.text[len(text):])
+                                     text=answer.text[len(text):], offset_chars=len(text))
                 yield answer
                 return
         except ClientError as exc:
@@ -192,15 +208,44 @@ class OServeClient:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
             raise
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # connection already closed: nothing left to unsubscribe
-                log.debug("stream %s: unsubscribe failed", request_id or "?", exc_info=True)
+            if not ended:  # closed early, timed out or cancelled: tell the system to stop generating
+                await self._cancel(request_id, inbox, reason)
+                if span is not None:
+                    span.set_attribute("oserve.cancelled", reason)
+            await self._unsubscribe(sub, request_id)
             if span is not None:
                 span.end()
 
+    def _new_inbox(self) -> str:
+        """A fresh reply inbox under this client's one prefix."""
+        if not self._inbox_prefix:
+            self._inbox_prefix = self.nc.new_inbox()
+        return f"{self._inbox_prefix}.{next(self._inbox_seq)}"
+
+    async def _cancel(self, request_id: str, inbox: str, reason: str) -> None:
+        """Publish a `CancelRequest` for an abandoned request (best effort: a closed connection cancels nothing)."""
+        if not request_id or self.nc.is_closed:
+            return
+        try:
+            await self.nc.publish(self.subjects.cancel(), encode(CancelRequest(request_id=request_id, inbox=inbox,
+                                                                               reason=reason)))
+        except (nats.errors.Error, OSError):  # connection closing: the gateway will see no answer come back
+            log.debug("request %s: could not publish its cancel", request_id, exc_info=True)
+
+    async def _unsubscribe(self, sub, request_id: str) -> None:
+        try:
+            await sub.unsubscribe()
+        except (nats.errors.Error, OSError):  # connection already closed: nothing left to unsubscribe
+            log.debug("request %s: unsubscribe failed", request_id or "?", exc_info=True)
+
     async def submit_raw(self, payload: bytes, request_id: str = "", timeout_s: float | None = None) -> Reply | Pong:
-        """Send already-encoded bytes to the gateway and decode the answer (tests send malformed ones)."""
+        """Send already-encoded bytes to the gateway and decode the answer (tests send malformed ones).
+
+        The answer comes to an inbox under the client's one prefix (as a stream's does); on a timeout, or
+        when the awaiting task is cancelled, the request is cancelled (`CancelRequest`)."""
+        return await self._submit(payload, request_id, timeout_s, cancel=True)
+
+    async def _submit(self, payload: bytes, request_id: str, timeout_s: float | None, *, cancel: bool) -> Reply | Pong:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
@@ -216,14 +261,21 @@ class OServeClient:
                                                       **messaging_attributes(subject, "send", "publish",
                                                                              message_id=request_id,
                                                                              body_size_bytes=len(payload))})
+        inbox = self._new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        ended = False  # an answer came (or nobody took the request): nothing to cancel
+        reason = "client_closed"
         try:
+            await self.nc.publish(self.subjects.submit(), payload, reply=inbox,
+                                  headers=inject(span) if span is not None else None)
             try:
-                msg = await self.nc.request(self.subjects.submit(), payload, timeout=timeout,
-                                            headers=inject(span) if span is not None else None)
-            except nats.errors.NoRespondersError:
-                raise NoGateway(f"no gateway listens on {self.subjects.submit()}") from None
+                msg = await sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
+                reason = "timeout"
                 raise RequestTimeout(f"request {request_id or '?'}: no reply within {timeout} s") from None
+            ended = True
+            if msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+                raise NoGateway(f"no gateway listens on {self.subjects.submit()}")
             try:
                 answer = decode_reply(msg.data)
             except SchemaError as exc:
@@ -242,12 +294,15 @@ class OServeClient:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
             raise
         finally:
+            if cancel and not ended:
+                await self._cancel(request_id, inbox, reason)
+            await self._unsubscribe(sub, request_id)
             if span is not None:
                 span.end()
 
     async def ping(self, timeout_s: float = 2.0) -> Pong:
         """Ask a gateway whether it is up and how many replicas it sees."""
-        answer = await self.submit_raw(encode(Ping()), "ping", timeout_s)
+        answer = await self._submit(encode(Ping()), "ping", timeout_s, cancel=False)
         assert isinstance(answer, Pong)
         return answer
 
@@ -260,6 +315,26 @@ class OServeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def new_part(chunk: ReplyChunk, tokens: int, text: str) -> ReplyChunk | None:
+    """What of `chunk` extends an answer of which `tokens` tokens (`text`) were yielded, or None. Pure.
+
+    A chunk that starts where the answer is passes whole; one that overlaps it (it starts before and ends
+    after) passes with its first part sliced off, when it says where its text starts (`offset_chars`) and
+    the overlap agrees with what was yielded; anything else (old, a gap ahead, other text) is dropped."""
+    end = chunk.offset_tokens + chunk.num_tokens
+    if chunk.num_tokens <= 0 or end <= tokens or chunk.offset_tokens > tokens:
+        return None
+    if chunk.offset_tokens == tokens:
+        return chunk
+    if chunk.offset_chars is None:
+        return None
+    skip = len(text) - chunk.offset_chars  # characters of the chunk already yielded
+    if not 0 <= skip <= len(chunk.text) or chunk.text[:skip] != text[chunk.offset_chars:]:
+        return None
+    return msgspec.structs.replace(chunk, offset_tokens=tokens, num_tokens=end - tokens, text=chunk.text[skip:],
+                                   offset_chars=len(text))
 
 
 def _request(prompt: str | None, input_tokens: int | None, max_tokens: int | None, output_hint_tokens: int | None,

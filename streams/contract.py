@@ -68,11 +68,15 @@ def _reply_subject(s: Subjects) -> str:
 _GROUPS: tuple[_Group, ...] = (
     _Group("submit", Subjects.submit, "request", None, ("submit.v1", "ping.v1"),
            "Clients send a request here with a reply inbox (NATS request/reply); the gateways' queue group answers."),
+    _Group("cancel", Subjects.cancel, "command", None, ("cancel.v1",),
+           "Clients abandon a request they sent (a stream closed early, a timeout); every gateway hears it, the one "
+           "that owns the request checks the inbox prefix and acts."),
     _Group("replies", _reply_subject, "reply", None, ("reply.v1", "error.v1", "pong.v1"),
            "What comes back to the request's reply inbox (a client reads only its own, `_INBOX_<prefix>.<user>.>`). "
            "Every reply message of another kind (a token chunk) arrives here too."),
-    _Group("dispatch", lambda s: s.replica("REPLICA_ID"), "command", None, ("dispatch.v1",),
-           "Internal: the gateway forwards a validated request to one engine; the engine replies to the client."),
+    _Group("dispatch", lambda s: s.replica("REPLICA_ID"), "command", None, ("dispatch.v1", "abort.v1"),
+           "Internal: the gateway forwards a validated request to one engine, which replies to the client; and "
+           "aborts it there when its client cancelled it."),
     _Group("arrivals", Subjects.arrivals, "event", Subjects.stream_arrivals, ("arrived.v1",),
            "Requests the gateways accepted (batched)."),
     _Group("completions", Subjects.completions, "event", Subjects.stream_completions, ("completed.v1",),

@@ -165,6 +165,43 @@ class ReplyChunk(_Msg, frozen=True, kw_only=True, tag="reply_chunk.v1"):
     num_tokens: Tokens
     """Tokens this chunk adds."""
     text: str = ""
+    offset_chars: Annotated[int, Meta(ge=0)] | None = None
+    """Characters of the answer's text before this chunk (None: a producer older than this field). With it a
+    reader can take the new part of a chunk that overlaps what it has (a re-dispatched request's chunks
+    rarely start where the first replica's stopped)."""
+
+
+class CancelRequest(_Msg, frozen=True, kw_only=True, tag="cancel.v1"):
+    """A client abandons a request (its stream was closed, it timed out): stop generating and forget it.
+
+    Clients publish it on `Subjects.cancel()`; the gateway that owns the request checks that `inbox` has the
+    prefix the request was accepted under (`dedupe_key`: only the client that sent a request can name its
+    inbox, which holds a random token), forgets the request and sends an `AbortRequest` to the replica
+    serving it, on that replica's dispatch subject (so it comes after the dispatch it aborts). The engine frees the
+    request, sends no more chunks and answers the inbox, in case anyone still listens, with an
+    `ErrorReply` code `cancelled`. A cancel for a request the gateway does not hold (answered already, or
+    another client's) is ignored. A cancelled request's id is not spent: sent again, it is a new request."""
+
+    request_id: Id
+    inbox: Annotated[str, Meta(min_length=1, max_length=256)]
+    """The reply inbox the request was sent with (or any inbox of the same client: only its prefix counts)."""
+    reason: Annotated[str, Meta(max_length=64)] = ""
+    """Why, for logs and spans: `client_closed` (the stream was closed before its reply), `timeout`."""
+
+
+class AbortRequest(_Msg, frozen=True, kw_only=True, tag="abort.v1"):
+    """The gateway tells the replica serving a request that its client cancelled it (`CancelRequest`).
+
+    Sent on the replica's dispatch subject, so the engine reads it after the `Dispatch` it aborts. The
+    engine finds the request by `dedupe_key(inbox, request_id)`, removes it from its backend (freeing its
+    KV), sends no more chunks, lists it in `Completed.released` and counts it as finished by `abort`."""
+
+    request_id: Id
+    inbox: Annotated[str, Meta(min_length=1, max_length=256)]
+    """The reply inbox the request was dispatched with."""
+    gateway_id: str
+    reason: Annotated[str, Meta(max_length=64)] = ""
+    """The client's `CancelRequest.reason`."""
 
 
 class ErrorReply(_Msg, frozen=True, kw_only=True, tag="error.v1"):
@@ -185,6 +222,7 @@ class ErrorCode:
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
     SHUTTING_DOWN = "shutting_down"
+    CANCELLED = "cancelled"
 
 
 # --- events (JetStream) -----------------------------------------------------------------------------

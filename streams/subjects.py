@@ -37,6 +37,10 @@ class Subjects:
         """Clients publish `SubmitRequest`s here; the gateways' queue group listens."""
         return f"{self.prefix}.req.submit"
 
+    def cancel(self) -> str:
+        """Clients publish `CancelRequest`s here (no queue group: every gateway hears it, the owner acts)."""
+        return f"{self.prefix}.req.cancel"
+
     def replica(self, replica_id: str) -> str:
         """The gateway forwards `Dispatch`es to one engine worker here."""
         return f"{self.prefix}.engine.{_check_token('replica_id', replica_id)}.dispatch"

@@ -20,7 +20,8 @@ from oserve.workers.clock import Clock
 GOLDEN = Path(__file__).parent / "data" / "bus"
 KINDS = {"submit": sc.SubmitRequest, "dispatch": sc.Dispatch, "reply": sc.Reply, "error": sc.ErrorReply,
          "arrived": sc.Arrived, "completed": sc.Completed, "heartbeat": sc.Heartbeat, "telemetry": sc.Telemetry,
-         "assignment": sc.AssignmentSet, "reply_chunk": sc.ReplyChunk}
+         "assignment": sc.AssignmentSet, "reply_chunk": sc.ReplyChunk, "cancel": sc.CancelRequest,
+         "abort": sc.AbortRequest}
 
 
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.name)

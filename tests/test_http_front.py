@@ -300,3 +300,180 @@ async def test_the_front_traces_each_call_into_the_bus_and_counts_it(server) -> 
     durations = [s for s in families["oserve_http_request_duration_seconds"].samples if s.name.endswith("_count")]
     assert sum(s.value for s in durations) == 3
     setup.shutdown()
+
+
+# --- cancellation, re-dispatched streams, authentication ----------------------------------------------
+
+
+def test_the_sim_backend_frees_a_cancelled_request_mid_run() -> None:
+    """A cancel cuts the decode run and the request leaves the replica at the next step end with its KV; a
+    waiting one leaves at once; the other request still finishes whole."""
+    backend = SimBackend("r0")
+    rep = backend.replica
+    backend.add(Job(1, "a", 200, 4000, 0, 0.0, 0, stream=True), 0.0)
+    backend.add(Job(2, "b", 200, 300, 0, 0.0, 0), 0.0)
+    now, t = 0.0, backend.next_event_s()
+    while t is not None and t - now < 0.5:  # prefill steps, until both decode in one long run
+        assert backend.advance(t) == []
+        now, t = t, backend.next_event_s()
+    assert t is not None
+    middle = (now + t) / 2
+    assert backend.generated_tokens(1, middle) > 50
+    assert backend.cancel(1, middle) == []
+    assert backend.generated_tokens(1, middle) == 0  # no longer held
+    t = backend.next_event_s()
+    assert t is not None and t - middle < 0.1  # the run was cut at the step in progress
+    finished = backend.advance(t)
+    # what is left in use is the other request's (its whole context at most)
+    assert finished == [] and rep.num_requests == 1
+    assert rep.total_blocks - rep.free_blocks <= -(-(200 + 300) // rep.block_tokens)
+    while not finished:
+        t = backend.next_event_s()
+        assert t is not None
+        finished = backend.advance(t)
+    assert [(f.seq, f.output_tokens) for f in finished] == [(2, 300)] and rep.num_requests == 0
+    assert rep.free_blocks == rep.total_blocks  # nothing of the cancelled request is left behind
+    # a request cancelled while it waits leaves at once; the echo backend has nothing to cancel
+    backend.add(Job(3, "c", 200, 10, 0, t, 0), t)
+    backend.add(Job(4, "d", 200, 10, 0, t, 0), t)
+    if rep.waiting:
+        backend.cancel(4, t)
+        assert not rep.waiting
+    from oserve.workers.backends import EchoBackend
+    assert EchoBackend().cancel(1, 0.0) == []
+
+
+def test_the_client_splices_overlapping_chunks_by_their_offsets() -> None:
+    from oserve.streams.client import new_part
+
+    text = placeholder_text(0, 10)
+
+    def chunk(start: int, stop: int, chars: int | None = -1) -> sc.ReplyChunk:
+        return sc.ReplyChunk(request_id="q", replica_id="r1", index=0, offset_tokens=start, num_tokens=stop - start,
+                             text=placeholder_text(start, stop),
+                             offset_chars=len(placeholder_text(0, start)) if chars == -1 else chars)
+
+    exact = chunk(10, 14)
+    assert new_part(exact, 10, text) is exact
+    part = new_part(chunk(7, 14), 10, text)  # overlaps: only tokens 10..13 are new
+    assert part is not None and (part.offset_tokens, part.num_tokens) == (10, 4)
+    assert text + part.text == placeholder_text(0, 14) and part.offset_chars == len(text)
+    assert new_part(chunk(3, 9), 10, text) is None  # all of it given already
+    assert new_part(chunk(11, 14), 10, text) is None  # a gap before it
+    assert new_part(chunk(7, 14, chars=None), 10, text) is None  # an older producer: no offset to slice at
+    assert new_part(chunk(7, 14, chars=3), 10, text) is None  # its text disagrees with what was given
+
+
+async def wait_until(predicate, timeout_s: float, what: str) -> None:
+    """Wait for a condition the system reaches on its own (bounded; fails with `what`)."""
+    import asyncio
+
+    async def loop() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+    try:
+        await asyncio.wait_for(loop(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_a_client_that_disconnects_mid_stream_stops_the_engine(server) -> None:
+    """The HTTP client goes away after a few chunks: the request is cancelled on the bus, the engine frees it
+    and sends nothing more, the gateway forgets it, the abort is counted and the call recorded as a 499."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry
+
+    from oserve.observability.metrics import Metrics
+    from oserve.observability.tracing import TracingConfig, setup_tracing
+    from oserve.workers.gateway import Gateway
+
+    setup = setup_tracing(TracingConfig(exporter="memory"))
+    metrics = Metrics(CollectorRegistry())
+    async with AsyncExitStack() as stack:
+        subjects = unique_subjects("hc")
+        nc = await nats.connect(server.url)
+        stack.push_async_callback(nc.close)
+        tap = await nats.connect(server.url)  # sees every inbox, as a test may
+        stack.push_async_callback(tap.close)
+        clock = Clock(speedup=5.0)
+        engine = await stack.enter_async_context(EngineWorker(nc, EngineWorkerConfig(
+            "r0", subjects=subjects, heartbeat_interval_wall_s=0.05, stream_interval_s=0.02), clock, metrics=metrics))
+        gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock))
+        await gw.wait_for_replicas(1, 5.0)
+        front = await stack.enter_async_context(OpenAIFront(nc, HTTPFrontConfig(
+            model_name=MODEL, subjects=subjects, port=0, request_timeout_s=30.0),
+            tracer=setup.tracer_for("http"), metrics=metrics))
+        seen: list[tuple[str, object]] = []  # (kind, message) to any inbox, in arrival order
+
+        async def on_inbox(msg) -> None:
+            seen.append(("inbox", sc.decode_reply(msg.data)))
+
+        async def on_dispatch(msg) -> None:
+            seen.append(("engine", sc.decode(msg.data, sc.Dispatch | sc.AbortRequest)))
+
+        await tap.subscribe("_INBOX.>", cb=on_inbox)
+        await tap.subscribe(subjects.replica("r0"), cb=on_dispatch)
+        await tap.flush()
+        max_tokens = 4000  # tens of wall seconds of decoding at this speed
+        async with httpx.AsyncClient(timeout=20.0) as http:
+            async with http.stream("POST", f"{front.url}/completions", json={
+                    "model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True}) as resp:
+                assert resp.status_code == 200
+                lines = 0
+                async for line in resp.aiter_lines():
+                    lines += line.startswith("data: ")
+                    if lines >= 3:
+                        break  # the client goes away mid-stream
+        started = asyncio.get_running_loop().time()
+        await wait_until(lambda: engine.num_inflight == 0, 5, "the engine to drop the cancelled request")
+        await wait_until(lambda: engine.backend.replica.num_requests == 0, 5, "the replica to free it")
+        assert asyncio.get_running_loop().time() - started < 5
+        assert not gw.pending and gw.num_cancelled == 1 and engine.num_cancelled == 1
+        # a later request's whole answer comes after any chunk the cancelled one could still have sent
+        client = OServeClient(nc, subjects, default_timeout_s=10.0)
+        assert (await client.submit(prompt="later", max_tokens=20)).output_tokens == 20
+        await tap.flush()
+        chunks = [m for k, m in seen if isinstance(m, sc.ReplyChunk)]
+        rid = chunks[0].request_id
+        cancelled = next(i for i, (k, m) in enumerate(seen) if isinstance(m, sc.ErrorReply) and m.request_id == rid)
+        assert seen[cancelled][1].code == sc.ErrorCode.CANCELLED
+        aborts = [i for i, (k, m) in enumerate(seen) if isinstance(m, sc.AbortRequest)]
+        assert len(aborts) == 1 and aborts[0] < cancelled
+        assert not [m for _, m in seen[cancelled:] if isinstance(m, sc.ReplyChunk) and m.request_id == rid]
+        assert sum(c.num_tokens for c in chunks if c.request_id == rid) < max_tokens / 4
+        aborted = metrics.request_success.labels(MODEL, "r0", "abort")._value.get()
+        assert aborted == 1
+        closed = metrics.http_requests.labels("/v1/completions", "499")._value.get()
+        assert closed == 1
+    spans = [s for s in setup.exporter.get_finished_spans() if s.attributes.get("oserve.step") == "http.serve"]
+    assert len(spans) == 1 and spans[0].attributes["http.response.status_code"] == 499
+    assert spans[0].attributes["error.type"] == "client_closed" and not spans[0].status.is_ok
+    setup.shutdown()
+
+
+async def test_the_front_wants_an_api_key_when_given_some(server) -> None:
+    async with AsyncExitStack() as stack:
+        nc, subjects, _, _ = await start(stack, server.url, front=False)
+        front = await stack.enter_async_context(OpenAIFront(nc, HTTPFrontConfig(
+            model_name=MODEL, subjects=subjects, port=0, request_timeout_s=10.0, api_keys=("sk-one", "sk-two"))))
+        assert "sk-one" not in repr(front.config)
+        for key in ("wrong", "sk-one-and-more"):
+            api = openai.AsyncOpenAI(base_url=front.url, api_key=key, max_retries=0, timeout=20.0)
+            with pytest.raises(openai.AuthenticationError) as info:
+                await api.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                await api.models.list()
+            await api.close()
+        api = openai.AsyncOpenAI(base_url=front.url, api_key="sk-two", max_retries=0, timeout=20.0)
+        done = await api.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert done.usage is not None and done.usage.completion_tokens == 2
+        assert [m.id async for m in api.models.list()] == [MODEL]
+        await api.close()
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            assert (await http.get(front.url.removesuffix("/v1") + "/health")).status_code == 200  # stays open
+            bare = await http.post(f"{front.url}/completions", json={"model": MODEL, "prompt": "x"})
+            assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(Exception, match="api_keys"):
+        HTTPFrontConfig(api_keys=("",))

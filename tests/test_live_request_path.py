@@ -674,3 +674,99 @@ def test_the_dedupe_cache_is_bounded_by_bytes_as_well_as_answers() -> None:
     assert engine._answered_bytes == 650 and len(engine._answered) == 3
     with pytest.raises(ConfigError):
         EngineWorkerConfig("r0", dedupe_max_bytes=0)
+
+
+async def test_a_stream_keeps_streaming_after_its_replica_dies(server) -> None:
+    """The gateway re-dispatches a stream whose replica died; the survivor's chunks start elsewhere than the
+    dead one's stopped, and the client splices them on (`offset_chars`) instead of waiting for the Reply."""
+    from contextlib import aclosing
+
+    from oserve.streams.schemas import ReplyChunk
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, speedup=4.0, gateway_kwargs=dict(heartbeat_timeout_wall_s=0.4,
+                                                                   liveness_check_wall_s=0.05),
+                engine_kwargs=dict(stream_interval_s=0.03))
+            by_id = {e.config.replica_id: e for e in engines}
+            parts: list = []
+            async with aclosing(client.stream(input_tokens=200, max_tokens=600, request_id="s1", timeout_s=30)) as it:
+                async for part in it:
+                    parts.append(part)
+                    if len(parts) == 4 and isinstance(part, ReplyChunk):
+                        dead = part.replica_id
+                        await by_id[dead].stop()  # dies mid-stream: no reply, no heartbeats
+            *chunks, reply = parts
+            assert isinstance(reply, Reply) and reply.replica_id != dead and reply.output_tokens == 600
+            assert "".join(c.text for c in chunks) == reply.text
+            offsets = [(c.offset_tokens, c.num_tokens) for c in chunks]
+            assert all(a + n == b for (a, n), (b, _) in zip(offsets, offsets[1:]))  # contiguous, no repeats
+            survivors = [c for c in chunks if c.replica_id == reply.replica_id and c.index >= 0]
+            assert len(survivors) >= 2, "nothing streamed after the re-dispatch until the final reply"
+            assert gw.num_redispatched == 1
+
+    await asyncio.wait_for(main(), 40)
+
+
+async def test_a_cancel_only_works_for_the_client_that_sent_the_request(server) -> None:
+    from oserve.streams.schemas import CancelRequest
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=5.0)
+            other = await nats.connect(server.url)
+            stack.push_async_callback(other.close)
+            task = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="mine",
+                                                     timeout_s=20))
+            await wait_until(lambda: "mine" in gw.pending, 5, "the request to be in flight")
+            # another connection names the request but not its inbox (it cannot know its random token)
+            forged = CancelRequest(request_id="mine", inbox=other.new_inbox() + ".0")
+            await other.publish(subjects.cancel(), encode(forged))
+            await other.flush()
+            await wait_until(lambda: gw.num_cancels_ignored == 1, 5, "the gateway to refuse the cancel")
+            reply = await task
+            assert reply.output_tokens == 200 and engines[0].num_cancelled == 0
+
+    await asyncio.wait_for(main(), 30)
+
+
+async def test_a_submit_and_a_stream_of_one_client_share_a_request(server) -> None:
+    """Both come to inboxes under the client's one prefix: a submit of a request id being streamed is the same
+    client's retry (answered with the one answer), not another client's id."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=5.0)
+            parts: list = []
+
+            async def stream() -> None:
+                async for part in client.stream(input_tokens=100, max_tokens=150, request_id="both", timeout_s=20):
+                    parts.append(part)
+
+            task = asyncio.create_task(stream())
+            await wait_until(lambda: "both" in gw.pending, 5, "the stream to be in flight")
+            reply = await client.submit(input_tokens=100, max_tokens=150, request_id="both", timeout_s=20)
+            await task
+            assert parts[-1] == reply and engines[0].num_answered == 1
+
+    await asyncio.wait_for(main(), 30)
+
+
+async def test_a_timed_out_submit_is_cancelled(server) -> None:
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=1.0)
+            with pytest.raises(RequestTimeout):
+                await client.submit(input_tokens=100, max_tokens=3000, request_id="slow", timeout_s=0.5)
+            await wait_until(lambda: not gw.pending and engines[0].num_inflight == 0, 5,
+                             "the cancel to reach the gateway and the engine")
+            assert gw.num_cancelled == 1 and engines[0].num_cancelled == 1
+            assert engines[0].backend.replica.num_requests == 0  # type: ignore[attr-defined]
+            # the id is not spent: sent again, it is served anew
+            again = await client.submit(input_tokens=100, max_tokens=5, request_id="slow", timeout_s=10)
+            assert again.output_tokens == 5
+
+    await asyncio.wait_for(main(), 30)

@@ -4,6 +4,7 @@ A backend owns one replica's requests. `add(job, now_s)` hands it a request and 
 finished by then (the echo backend finishes at once); `next_event_s()` says when on the clock it next
 needs `advance(now_s)`, which returns what finished. The engine worker owns the clock and the timing
 loop, so a vLLM backend fits behind the same interface: its `advance` would collect finished outputs.
+`cancel(seq, now_s)` drops a job whose client went away (vLLM's `abort_request`), freeing its KV.
 
 Streaming: `generated_tokens(seq, now_s)` says how many tokens an unfinished job has produced by now
 and `text(seq, start, stop)` gives the text of tokens [start, stop) of its answer; the engine worker
@@ -103,6 +104,11 @@ class Backend(Protocol):
         """Text of tokens [start, stop) of job `seq`'s answer (asked until its `Finished` is handled)."""
         ...
 
+    def cancel(self, seq: int, now_s: float) -> list[Finished]:
+        """Drop the unfinished job `seq` (its client went away), freeing what it holds; no `Finished` will
+        name it later (one that does is to be ignored). Returns what else is finished by `now_s`, as `add`."""
+        ...
+
 
 class EchoBackend:
     """Zero-cost engine: every request finishes the moment it arrives (for the bus benchmark), with
@@ -116,6 +122,9 @@ class EchoBackend:
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
         return [Finished(job.seq, job.answer_tokens, now_s, now_s)]
+
+    def cancel(self, seq: int, now_s: float) -> list[Finished]:
+        return []  # nothing is ever unfinished here
 
     def advance(self, now_s: float) -> list[Finished]:
         return []
@@ -154,14 +163,22 @@ class SimBackend:
         perf = PerfModel(model, gpu, gpus_per_node=config.gpus_per_node)
         self.replica = SimReplica(replica_id, shape, perf.timer(shape), engine,
                                   kv_capacity_tokens(model, gpu, shape, memory), memory.block_tokens)
-        self._streamed: dict[int, SimRequest] = {}  # seq -> unfinished request a client streams
+        self._held: dict[int, SimRequest] = {}  # seq -> unfinished request
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
         done = self.advance(now_s)  # the kernel's order: step ends up to now first, then the arrival
         req = SimRequest(job.seq, job.type_index, now_s, job.input_tokens, job.answer_tokens)
-        if job.stream:
-            self._streamed[job.seq] = req
+        self._held[job.seq] = req
         self.replica.enqueue(req, now_s)
+        return done + self._rejected()
+
+    def cancel(self, seq: int, now_s: float) -> list[Finished]:
+        """Abort the job in the simulated replica (`SimReplica.abort`): its KV is freed at once, or at the end
+        of the step in progress when it is in that step's batch; the run of decode steps is cut there."""
+        done = self.advance(now_s)  # step ends up to now first, as for an arrival
+        req = self._held.pop(seq, None)
+        if req is not None:
+            self.replica.abort(req, now_s)
         return done + self._rejected()
 
     def advance(self, now_s: float) -> list[Finished]:
@@ -170,9 +187,8 @@ class SimBackend:
         while rep.busy and rep.step_end_s <= now_s:
             outcome = rep.on_step_end(rep.step_end_s)
             out += [Finished(r.request_id, r.generated, r.first_token_s, r.finish_s) for r in outcome.finished]
-        if self._streamed:
-            for f in out:
-                self._streamed.pop(f.seq, None)
+        for f in out:
+            self._held.pop(f.seq, None)
         return out + self._rejected()
 
     def _rejected(self) -> list[Finished]:
@@ -182,12 +198,12 @@ class SimBackend:
         out = [Finished(r.request_id, 0, math.nan, math.nan, "request can never fit in this replica's KV cache")
                for r in rep.rejected]
         for r in rep.rejected:
-            self._streamed.pop(r.request_id, None)
+            self._held.pop(r.request_id, None)
         rep.rejected.clear()
         return out
 
     def generated_tokens(self, seq: int, now_s: float) -> int:
-        req = self._streamed.get(seq)
+        req = self._held.get(seq)
         return 0 if req is None else self.replica.generated_tokens(req, now_s)
 
     def text(self, seq: int, start_tokens: int, stop_tokens: int) -> str:

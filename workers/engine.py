@@ -19,6 +19,13 @@
   first as soon as a step end shows it, then at most one per `stream_interval_s` of clock time, and the
   rest just before the final `Reply`, which carries the whole text and alone ends the answer). Only the
   first inbox gets chunks; duplicates get the final `Reply` as above, so exactly once still holds for it.
+  Each chunk says where its text starts (`ReplyChunk.offset_chars`), so a client can splice a
+  re-dispatched request's chunks onto what it has.
+- Cancellation: an `AbortRequest` from the gateway (on the dispatch subject, after the dispatch it names;
+  its client sent a `CancelRequest`) removes the request from the backend, freeing its KV; it gets no
+  more chunks, its inboxes an `ErrorReply` code `cancelled`, and it is `released` in the next `Completed`
+  and counted as `vllm:request_success{finished_reason="abort"}`. Its answer is not stored: the same id
+  sent again is served anew.
 """
 
 from __future__ import annotations
@@ -37,8 +44,8 @@ from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import (GEN_AI_PROVIDER, extract, genai_span_name, inject, messaging_attributes,
                                           trace_headers)
-from oserve.streams.schemas import (EVENT_BATCH_ITEMS, Completed, Completion, Dispatch, ErrorCode, ErrorReply,
-                                    Heartbeat, Reply, ReplyChunk, SchemaError, Telemetry, decode, encode)
+from oserve.streams.schemas import (EVENT_BATCH_ITEMS, AbortRequest, Completed, Completion, Dispatch, ErrorCode,
+                                    ErrorReply, Heartbeat, Reply, ReplyChunk, SchemaError, Telemetry, decode, encode)
 from oserve.streams.subjects import Subjects, dedupe_key
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
@@ -97,6 +104,8 @@ class _InFlight:
     """The de-duplication key (`dedupe_key`)."""
     sent_tokens: int = 0
     """Streamed requests: tokens already sent in chunks."""
+    sent_chars: int = 0
+    """Streamed requests: characters of text already sent in chunks."""
     num_chunks: int = 0
     last_chunk_s: float = float("-inf")
     """Clock time of the last chunk sent."""
@@ -134,6 +143,7 @@ class EngineWorker(Worker):
         self.num_received = 0
         self.num_answered = 0
         self.num_duplicates = 0
+        self.num_cancelled = 0
         self.num_errors = 0
         self._window_e2e: list[float] = []
 
@@ -210,11 +220,14 @@ class EngineWorker(Worker):
     async def _handle(self, msg: Msg) -> None:
         self.num_received += 1
         try:
-            d = decode(msg.data, Dispatch)
+            d = decode(msg.data, Dispatch | AbortRequest)
         except SchemaError as exc:
             self.num_errors += 1
             if msg.reply:
                 await self.nc.publish(msg.reply, encode(ErrorReply(code=exc.code, message=exc.message)))
+            return
+        if isinstance(d, AbortRequest):
+            await self._abort(d)
             return
         assert isinstance(d, Dispatch)
         key = dedupe_key(msg.reply, d.request_id)
@@ -267,13 +280,43 @@ class EngineWorker(Worker):
     async def _send_chunk(self, item: _InFlight, tokens: int, now_s: float) -> None:
         """Send the tokens of a streamed answer produced since its last chunk, up to `tokens`."""
         job = item.job
+        text = self.backend.text(job.seq, item.sent_tokens, tokens)
         chunk = ReplyChunk(request_id=job.request_id, replica_id=self.config.replica_id, index=item.num_chunks,
-                           offset_tokens=item.sent_tokens, num_tokens=tokens - item.sent_tokens,
-                           text=self.backend.text(job.seq, item.sent_tokens, tokens))
-        item.sent_tokens, item.last_chunk_s = tokens, now_s
+                           offset_tokens=item.sent_tokens, num_tokens=tokens - item.sent_tokens, text=text,
+                           offset_chars=item.sent_chars)
+        item.sent_tokens, item.sent_chars, item.last_chunk_s = tokens, item.sent_chars + len(text), now_s
         item.num_chunks += 1
         if item.reply:
             await self.nc.publish(item.reply, encode(chunk))
+
+    async def _abort(self, a: AbortRequest) -> None:
+        """Drop a request its client cancelled (see the module docstring); one not in flight here is ignored."""
+        key = dedupe_key(a.inbox, a.request_id)
+        seq = self._by_id.pop(key, None)
+        if seq is None:
+            return  # answered already, or never here
+        item = self._inflight.pop(seq)
+        self._streams.discard(seq)
+        self.num_cancelled += 1
+        done = self.backend.cancel(seq, self.clock.now_s())
+        self._released.append(a.request_id)
+        if self.metrics is not None:
+            self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
+        payload = encode(ErrorReply(request_id=a.request_id, code=ErrorCode.CANCELLED,
+                                    message=f"cancelled by its client ({a.reason or 'no reason given'})"))
+        for reply in ([item.reply] if item.reply else []) + item.also_reply:
+            await self.nc.publish(reply, payload)  # the inbox is likely abandoned; a retry's is not
+        if item.span is not None:
+            item.span.set_attributes({"oserve.cancelled": a.reason or "cancelled",
+                                      "gen_ai.response.finish_reasons": ("abort",),
+                                      "oserve.output_tokens": item.sent_tokens})
+            item.span.end()
+        if done:
+            await self._finish(done)
+        if not self._inflight:
+            self._idle.set()
+        if self.backend.next_event_s() != self._waiting_for_s:
+            self._wake.set()  # the run the step loop sleeps towards was cut or emptied
 
     async def _send_chunks(self, now_s: float) -> None:
         """One chunk pass: each streamed request with new tokens gets them, at most once per interval

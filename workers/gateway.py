@@ -28,6 +28,10 @@
   every replica's silence, up to the longest time since the last check in which the gateway read no
   heartbeat of any replica. A loop that is only busy keeps reading the live replicas' heartbeats,
   so little is taken off and a dead replica is still found.
+- Cancellation: every gateway hears `CancelRequest`s (no queue group); the one that holds the request,
+  when the cancel names an inbox with the prefix the request was accepted under (`dedupe_key`: only its
+  client knows it), forgets it and sends an `AbortRequest` to its replica's dispatch subject (after the
+  dispatch, so the engine reads them in order). Any other cancel is ignored (`num_cancels_ignored`).
 - Held requests are published in `Arrived` events with `replica_id` "" (none yet).
 - Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
 """
@@ -49,9 +53,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
-from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, Arrival, Arrived, AssignmentSet, Completed, Dispatch,
-                                    ErrorCode, ErrorReply, Heartbeat, Ping, Pong, SchemaError, decode, decode_submit,
-                                    encode)
+from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Arrival, Arrived, AssignmentSet,
+                                    CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Ping, Pong,
+                                    SchemaError, decode, decode_submit, encode)
 from oserve.streams.subjects import Subjects, dedupe_key
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -176,6 +180,8 @@ class Gateway(Worker):
         self.num_rejected = 0
         self.num_redispatched = 0
         self.num_failed = 0
+        self.num_cancelled = 0  # requests forgotten because their client cancelled them
+        self.num_cancels_ignored = 0  # cancels for a request not held here, or naming another client's inbox
         self.num_declared_dead = 0  # replicas declared dead for missing heartbeats (a replica may come back)
         self.num_errors = 0
 
@@ -194,7 +200,8 @@ class Gateway(Worker):
             await self.nc.subscribe(s.heartbeats(), cb=self._on_heartbeat),
             await self.nc.subscribe(s.completions(), cb=self._on_completed),
             await self.nc.subscribe(s.plan_event("assignment"), cb=self._on_assignment),
-            await self.nc.subscribe(s.submit(), queue=self.config.queue_group, cb=self._on_submit),
+            await self.nc.subscribe(s.cancel(), cb=self._on_cancel),  # all gateways: the owner acts
+            await self.nc.subscribe(s.submit(), queue=self.config.queue_group, cb=self._on_submit),  # last: drain
         ]
 
     def _loops(self):
@@ -437,6 +444,31 @@ class Gateway(Worker):
         finally:
             if span is not None:
                 span.end()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            await self._handle_cancel(msg)
+        except Exception:  # the outermost handler: log, keep serving
+            self.num_errors += 1
+            log.exception("%s: cancel handler failed", self.config.gateway_id)
+
+    async def _handle_cancel(self, msg: Msg) -> None:
+        try:
+            c = decode(msg.data, CancelRequest)
+        except SchemaError:
+            self.num_errors += 1
+            return
+        assert isinstance(c, CancelRequest)
+        p = self.pending.get(c.request_id)
+        if p is None or dedupe_key(c.inbox, "") != dedupe_key(p.reply, ""):
+            # answered already, another gateway's, or another client's request: nothing of ours to cancel
+            self.num_cancels_ignored += 1
+            return
+        del self.pending[c.request_id]
+        self.num_cancelled += 1
+        if p.replica_id is not None:
+            await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
+                request_id=c.request_id, inbox=p.reply, gateway_id=self.config.gateway_id, reason=c.reason)))
 
     async def _on_completed(self, msg: Msg) -> None:
         try:

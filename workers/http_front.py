@@ -23,6 +23,13 @@ events in OpenAI's chunk format, ending with `data: [DONE]`), `GET /v1/models`, 
 - Errors: bad bodies and anything the gateway refuses as invalid are 400; an unknown model 404; too many
   requests in flight at the front, or the gateway `overloaded`, 429; `no_replica`, `shutting_down` or no
   gateway 503; no answer within `request_timeout_s` 504.
+- Authentication, as vLLM's `--api-key`: with `api_keys` set, every endpoint but `/health` wants
+  `Authorization: Bearer <key>` with one of them (compared in constant time), else a 401 in OpenAI's shape
+  (`invalid_api_key`). The keys are never logged nor put on a span.
+- Cancellation, as vLLM aborts on a disconnect: a streamed answer whose HTTP client goes away, or that runs
+  past `request_timeout_s`, closes its bus stream, which cancels the request (`CancelRequest`): the engine
+  stops generating it and frees its KV. Such a call is recorded with status 499 and `error.type`
+  `client_closed` (a timeout: 504 `timeout`); a stream that fails mid-way, with its error's status.
 - Extension for the simulated engines: `sim_output_tokens` (as `SubmitRequest.sim_output_tokens`) sets how
   long the simulated answer is; without it a simulated answer is `max_tokens` long.
 """
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -40,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from nats.aio.client import Client as NATS
 from opentelemetry import trace
@@ -89,8 +97,15 @@ class HTTPFrontConfig:
     simulated answer short). Legacy completions default to OpenAI's 16."""
     drain_timeout_wall_s: float = 30.0
     """Wall seconds `drain()` lets in-flight responses finish before closing their connections."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer keys a caller must send (`Authorization: Bearer <key>`, any one of them) on every endpoint but
+    `/health`; empty: no authentication (vLLM's `--api-key`). Kept out of the config's repr, so out of logs."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k.strip() == k and k
+                                                            for k in self.api_keys):
+            raise ConfigError(f"HTTPFrontConfig.api_keys must be a tuple of non-empty keys without surrounding "
+                              f"spaces ({len(self.api_keys)} given, values not shown)")
         if not self.model_name or len(self.model_name) > 256:
             raise ConfigError(f"HTTPFrontConfig.model_name must be 1..256 characters, got {self.model_name!r}")
         if not 0 <= self.port <= 65535:
@@ -283,6 +298,35 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
+CLIENT_CLOSED_STATUS = 499
+"""The status recorded for a call whose client went away before its answer ended (nginx's "client closed")."""
+
+
+def _client_closed() -> APIError:
+    return APIError(CLIENT_CLOSED_STATUS, "the client closed the connection before the answer ended",
+                    "client_closed", code="client_closed")
+
+
+def key_matches(given: str, keys: tuple[str, ...]) -> bool:
+    """Whether `given` is one of `keys`, compared in constant time with each (no early exit). Pure."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(given.encode(), key.encode())
+    return found
+
+
+class _EventStream(StreamingResponse):
+    """A streamed answer that closes its body when the response ends however it ends (a client disconnect
+    included), so the bus stream under it is closed, and its request cancelled, at once rather than when the
+    generator is garbage-collected."""
+
+    async def stream_response(self, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server without its signal handlers: the process's `main()` owns the signals."""
 
@@ -386,18 +430,35 @@ class OpenAIFront(Worker):
             type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
             return APIError(exc.status_code, str(exc.detail), type_).response()
 
+        @app.exception_handler(APIError)
+        async def api_error_(request: Request, exc: APIError) -> JSONResponse:
+            return exc.response()
+
         @app.exception_handler(Exception)
         async def internal_error(request: Request, exc: Exception) -> JSONResponse:  # the outermost handler
             self.num_errors += 1
             log.exception("http: %s %s failed", request.method, request.url.path)
             return APIError(500, type(exc).__name__, "server_error", code=ErrorCode.INTERNAL).response()
 
-        app.add_api_route("/health", self._health, methods=["GET"])
-        app.add_api_route("/v1/models", self._models, methods=["GET"])
-        app.add_api_route("/v1/models/{model_id:path}", self._model, methods=["GET"])
-        app.add_api_route("/v1/completions", self._completions, methods=["POST"])
-        app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        auth = [Depends(self._authorize)] if self.config.api_keys else []
+        app.add_api_route("/health", self._health, methods=["GET"])  # open: probes carry no key
+        app.add_api_route("/v1/models", self._models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/models/{model_id:path}", self._model, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/completions", self._completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"], dependencies=auth)
         return app
+
+    async def _authorize(self, request: Request) -> None:
+        """Let a call through when it carries one of the configured keys; else raise a 401 (`invalid_api_key`)."""
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and key_matches(given.strip(), self.config.api_keys):
+            return
+        self.num_errors += 1
+        if self.metrics is not None:
+            self.metrics.http_request(request.url.path, 401, 0.0)
+        message = ("Incorrect API key provided." if given else
+                   "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+        raise APIError(401, message, "invalid_request_error", code="invalid_api_key")
 
     async def _health(self) -> JSONResponse:
         try:
@@ -545,16 +606,17 @@ class OpenAIFront(Worker):
                 await events.aclose()
                 raise api_error(exc) from None
             handed_over = True
-            return StreamingResponse(self._sse(call, first, events, span, started_s, endpoint),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": call.response_id})
+            return _EventStream(self._sse(call, first, events, span, started_s, endpoint),
+                                media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Request-Id": call.response_id})
         except APIError as exc:
             self.num_errors += 1
             self._finished(span, endpoint, started_s, exc.status, call=call, error=exc)
             return exc.response()
         except BaseException as exc:  # recorded, then left to the app's outermost handler (a 500) or to cancel
-            self._finished(span, endpoint, started_s, 500, call=call,
-                           error=APIError(500, type(exc).__name__, "server_error", code=ErrorCode.INTERNAL))
+            error = _client_closed() if isinstance(exc, asyncio.CancelledError) else \
+                APIError(500, type(exc).__name__, "server_error", code=ErrorCode.INTERNAL)
+            self._finished(span, endpoint, started_s, error.status, call=call, error=error)
             raise
         finally:
             if not handed_over:
@@ -603,7 +665,9 @@ class OpenAIFront(Worker):
                    span: Span | None = None, started_s: float = 0.0, endpoint: str = "") -> AsyncIterator[bytes]:
         """The event stream of one streamed answer: its chunks, a last one with the finish reason, the usage
         when asked, then `[DONE]`. An error after the first event is sent as an `error` event. Its end
-        ends the request's span and records it (status 200: the headers went out before the stream)."""
+        ends the request's span and records it: 200 once the answer ended; a failure mid-way with its
+        error's status and type (the headers went out as 200 before it); a client gone before the end as
+        499 `client_closed`. Closing it closes `events`, which cancels the request on the bus."""
         created = int(time.time())
         last: Reply | None = None
         failure: APIError | None = None
@@ -634,5 +698,7 @@ class OpenAIFront(Worker):
             yield b"data: [DONE]\n\n"
         finally:
             self.num_inflight -= 1
-            self._finished(span, endpoint, started_s, 200, call=call, reply=last, error=failure)
+            error = None if last is not None else failure or _client_closed()  # none of them: the client went away
+            self._finished(span, endpoint, started_s, 200 if error is None else error.status, call=call, reply=last,
+                           error=error)
             await events.aclose()  # type: ignore[attr-defined]

@@ -98,6 +98,8 @@ class SystemConfig:
     """Address the OpenAI-compatible HTTP front (`http` worker) listens on."""
     http_port: int = 0
     """Its TCP port; 0 takes a free one (`LiveSystem.http.port`), as tests want; `oserve up` gives 8000."""
+    http_api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer keys the HTTP front wants (`HTTPFrontConfig.api_keys`); empty: none. Out of the repr, so out of logs."""
 
     def __post_init__(self) -> None:
         if not set(self.workers) <= set(WORKER_NAMES):
@@ -245,7 +247,8 @@ class LiveSystem:
             from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront
 
             self.http = OpenAIFront(nc, HTTPFrontConfig(model_name=cfg.model, subjects=cfg.subjects,
-                                                        host=cfg.http_host, port=cfg.http_port),
+                                                        host=cfg.http_host, port=cfg.http_port,
+                                                        api_keys=cfg.http_api_keys),
                                     tracer=tracer("http"), metrics=metrics)
             await self.http.start()
 

@@ -58,7 +58,7 @@ def bench_bus(
 def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,
                    otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
                    history_minutes: float | None = None, js_replicas: int = 1, http_host: str = "127.0.0.1",
-                   http_port: int = 0):
+                   http_port: int = 0, api_key: str = ""):
     import os
 
     from oserve.observability.tracing import TracingConfig
@@ -71,7 +71,7 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
     return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
                         trace=trace, history_minutes=history_minutes, tracing=tracing_config,
                         workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas,
-                        http_host=http_host, http_port=http_port)
+                        http_host=http_host, http_port=http_port, http_api_keys=(api_key,) if api_key else ())
 
 
 def _metrics_server(port: int):
@@ -180,6 +180,10 @@ HTTP_PORT_OPTION = typer.Option(HTTP_PORT, "--http-port", envvar="OSERVE_HTTP_PO
                                      "port; -1 (`oserve up` only): no HTTP front.")
 HTTP_HOST_OPTION = typer.Option("127.0.0.1", "--http-host", envvar="OSERVE_HTTP_HOST",
                                 help="Address the HTTP front listens on (0.0.0.0: every interface).")
+API_KEY_OPTION = typer.Option("", "--api-key", envvar="OSERVE_API_KEY", show_default=False, show_envvar=True,
+                              help="Key the HTTP front wants as `Authorization: Bearer <key>` on every endpoint but "
+                                   "/health (vLLM's --api-key); empty: none. Prefer the environment variable: a "
+                                   "flag shows in the process list. Never logged.")
 JS_REPLICAS = typer.Option(1, "--js-replicas", envvar="OSERVE_JS_REPLICAS",
                           help="Copies of each JetStream stream and bucket: 1 on one NATS server, 3 on a "
                                "3-node cluster.")
@@ -201,6 +205,7 @@ def up(
     view: bool = typer.Option(False, "--view", help="Show a live terminal view of replicas, forecast and plan."),
     http_port: int = HTTP_PORT_OPTION,
     http_host: str = HTTP_HOST_OPTION,
+    api_key: str = API_KEY_OPTION,
     js_replicas: int = JS_REPLICAS,
     metrics_port: int = METRICS_PORT,
 ) -> None:
@@ -212,7 +217,8 @@ def up(
     _logging()
     workers = WORKER_NAMES if http_port >= 0 else tuple(n for n in WORKER_NAMES if n != "http")
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, workers,
-                            js_replicas=js_replicas, http_host=http_host, http_port=max(0, http_port))
+                            js_replicas=js_replicas, http_host=http_host, http_port=max(0, http_port),
+                            api_key=api_key)
     if nats_url:
         asyncio.run(_serve(nats_url, config, duration_s, "up", view, metrics_port))
         return
@@ -239,6 +245,7 @@ def worker(
                                            "same one (0: this process's start)."),
     http_port: int = HTTP_PORT_OPTION,
     http_host: str = HTTP_HOST_OPTION,
+    api_key: str = API_KEY_OPTION,
     js_replicas: int = JS_REPLICAS,
     metrics_port: int = METRICS_PORT,
 ) -> None:
@@ -251,7 +258,7 @@ def worker(
         raise ConfigError(f"unknown worker {name!r}; one of {', '.join(WORKER_NAMES)}")
     _logging()
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch,
-                            js_replicas=js_replicas, http_host=http_host, http_port=http_port)
+                            js_replicas=js_replicas, http_host=http_host, http_port=http_port, api_key=api_key)
     asyncio.run(_serve(nats_url, config, duration_s, name, metrics_port=metrics_port))
 
 
