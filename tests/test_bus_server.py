@@ -136,9 +136,26 @@ async def test_the_request_path_works_under_the_deploy_permissions() -> None:
         async with EngineWorker(worker, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05),
                                 clock), Gateway(worker, GatewayConfig(subjects=subjects), clock) as gw:
             await gw.wait_for_replicas(1, 5)
-            client = await OServeClient.connect(url, subjects=subjects, user="alice", password="test-alice")
+            errors: list[Exception] = []  # permission violations the server reports
+
+            async def on_error(exc: Exception) -> None:
+                errors.append(exc)
+
+            alice = await nats.connect(url, user="alice", password="test-alice", error_cb=on_error,
+                                       inbox_prefix=f"{subjects.reply_prefix()}.alice")
+            client = OServeClient(alice, subjects, owns_connection=True)
             reply = await client.submit(prompt="hello there", max_tokens=5, timeout_s=5)
             assert reply.output_tokens == 5 and reply.replica_id == "r0"
+            # a client may cancel its own stream: the cancel gets through the permissions to the gateway
+            stream = client.stream(prompt="hello", max_tokens=4000, timeout_s=10)
+            async for part in stream:
+                break  # the first chunk, then the client goes away
+            await stream.aclose()
+            for _ in range(100):
+                if gw.num_cancelled:
+                    break
+                await asyncio.sleep(0.05)
+            assert gw.num_cancelled == 1 and gw.num_cancels_ignored == 0 and not errors, errors
             await client.close()
         await worker.close()
 
