@@ -146,18 +146,11 @@ class OServeClient:
         inbox = self._new_inbox()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        span = headers = None
-        if self.tracer is not None:  # only a traced client needs OpenTelemetry (the server extra)
-            from opentelemetry.trace import SpanKind
+        span = self._publish_span("client.stream", request_id, payload)
+        headers = None
+        if span is not None:
+            from oserve.observability.tracing import inject
 
-            from oserve.observability.tracing import inject, messaging_attributes, messaging_span_name
-
-            subject = self.subjects.submit()
-            span = self.tracer.start_span(messaging_span_name("publish", subject), kind=SpanKind.CLIENT,
-                                          attributes={"oserve.step": "client.stream", "oserve.request_id": request_id,
-                                                      **messaging_attributes(subject, "send", "publish",
-                                                                             message_id=request_id,
-                                                                             body_size_bytes=len(payload))})
             headers = inject(span)
         sub = await self.nc.subscribe(inbox)
         ended = False  # the system is done with the request (answered, refused, or nobody took it)
@@ -245,29 +238,38 @@ class OServeClient:
         when the awaiting task is cancelled, the request is cancelled (`CancelRequest`)."""
         return await self._submit(payload, request_id, timeout_s, cancel=True)
 
+    def _publish_span(self, step: str, request_id: str, payload: bytes):
+        """The client span of one request's publish on the submit subject (None for an untraced client;
+        only a traced client imports OpenTelemetry, which the light install lacks)."""
+        if self.tracer is None:
+            return None
+        from opentelemetry.trace import SpanKind
+
+        from oserve.observability.tracing import messaging_attributes, messaging_span_name
+
+        subject = self.subjects.submit()
+        return self.tracer.start_span(messaging_span_name("publish", subject), kind=SpanKind.CLIENT,
+                                      attributes={"oserve.step": step, "oserve.request_id": request_id,
+                                                  **messaging_attributes(subject, "send", "publish",
+                                                                         message_id=request_id,
+                                                                         body_size_bytes=len(payload))})
+
     async def _submit(self, payload: bytes, request_id: str, timeout_s: float | None, *, cancel: bool) -> Reply | Pong:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
-        span = None
-        if self.tracer is not None:  # only a traced client needs OpenTelemetry (the server extra)
-            from opentelemetry.trace import SpanKind, Status, StatusCode
-
-            from oserve.observability.tracing import inject, messaging_attributes, messaging_span_name
-
-            subject = self.subjects.submit()
-            span = self.tracer.start_span(messaging_span_name("publish", subject), kind=SpanKind.CLIENT,
-                                          attributes={"oserve.step": "client.submit", "oserve.request_id": request_id,
-                                                      **messaging_attributes(subject, "send", "publish",
-                                                                             message_id=request_id,
-                                                                             body_size_bytes=len(payload))})
+        span = self._publish_span("client.submit", request_id, payload)
         inbox = self._new_inbox()
         sub = await self.nc.subscribe(inbox)
         ended = False  # an answer came (or nobody took the request): nothing to cancel
         reason = "client_closed"
         try:
-            await self.nc.publish(self.subjects.submit(), payload, reply=inbox,
-                                  headers=inject(span) if span is not None else None)
+            headers = None
+            if span is not None:
+                from oserve.observability.tracing import inject
+
+                headers = inject(span)
+            await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
             try:
                 msg = await sub.next_msg(timeout=timeout)
             except nats.errors.TimeoutError:
@@ -291,6 +293,8 @@ class OServeClient:
             return answer
         except ClientError as exc:
             if span is not None:
+                from opentelemetry.trace import Status, StatusCode
+
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
             raise
         finally:

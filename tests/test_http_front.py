@@ -21,7 +21,7 @@ import pytest
 
 from oserve.streams import schemas as sc
 from oserve.streams.client import NoGateway, OServeClient, RequestRejected
-from oserve.streams.testing import running_server, unique_subjects
+from oserve.streams.testing import running_server, unique_subjects, wait_until
 from oserve.workers.backends import Job, SimBackend, placeholder_text
 from oserve.workers.clock import Clock
 from oserve.workers.engine import EngineWorker, EngineWorkerConfig
@@ -133,6 +133,11 @@ async def test_client_stream_yields_chunks_then_the_reply(server) -> None:
         # a non-streamed request still gets one reply, with the same text
         again = await client.submit(prompt="x" * 400, max_tokens=40, timeout_s=10)
         assert again.text == reply.text
+        # a prompt given as a token count gets counts only (Dispatch.detokenize), streamed or not
+        counted = await client.submit(input_tokens=100, max_tokens=40, timeout_s=10)
+        assert counted.output_tokens == 40 and counted.text == ""
+        *counted_chunks, counted_reply = [p async for p in client.stream(input_tokens=100, max_tokens=40, timeout_s=10)]
+        assert counted_reply.text == "" and sum(c.num_tokens for c in counted_chunks) == 40
         with pytest.raises(RequestRejected) as info:
             async with aclosing(client.stream(input_tokens=10, max_tokens=10**7)) as parts_:
                 async for _ in parts_:
@@ -365,19 +370,6 @@ def test_the_client_splices_overlapping_chunks_by_their_offsets() -> None:
     assert new_part(chunk(11, 14), 10, text) is None  # a gap before it
     assert new_part(chunk(7, 14, chars=None), 10, text) is None  # an older producer: no offset to slice at
     assert new_part(chunk(7, 14, chars=3), 10, text) is None  # its text disagrees with what was given
-
-
-async def wait_until(predicate, timeout_s: float, what: str) -> None:
-    """Wait for a condition the system reaches on its own (bounded; fails with `what`)."""
-    import asyncio
-
-    async def loop() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-    try:
-        await asyncio.wait_for(loop(), timeout_s)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 async def test_a_client_that_disconnects_mid_stream_stops_the_engine(server) -> None:

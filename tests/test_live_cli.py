@@ -16,7 +16,7 @@ import oserve.cli.live_cmds  # noqa: F401  (registers the live commands)
 from oserve.cli import app
 from oserve.streams.client import ClientError, OServeClient
 from oserve.errors import ConfigError
-from oserve.streams.testing import running_server, unique_subjects
+from oserve.streams.testing import ping_until_up, running_server, unique_subjects
 
 LAUNCH = "import sys, oserve.cli.live_cmds; from oserve.cli import main; main()"
 
@@ -26,18 +26,6 @@ def server():
     yield from running_server()
 
 
-async def _ping_until_up(client: OServeClient, timeout_s: float) -> None:
-    async def loop() -> None:
-        while True:
-            try:
-                if (await client.ping(timeout_s=0.5)).num_replicas > 0:
-                    return
-            except ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    await asyncio.wait_for(loop(), timeout_s)
-
-
 async def test_up_serves_requests_and_drains_on_sigint(server) -> None:
     subjects = unique_subjects()
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, "up", "--nats", server.url, "--prefix", subjects.prefix, "--http-port", "0", "--metrics-port", "0",
@@ -45,7 +33,7 @@ async def test_up_serves_requests_and_drains_on_sigint(server) -> None:
     try:
         async def main() -> None:
             client = await OServeClient.connect(server.url, subjects=subjects)
-            await _ping_until_up(client, 30)
+            await ping_until_up(client, 30)
             replies = await asyncio.gather(*[client.submit(input_tokens=100 + i, max_tokens=20, timeout_s=10)
                                              for i in range(10)])
             assert all(r.output_tokens == 20 for r in replies)
@@ -74,7 +62,7 @@ def test_replay_against_a_running_system_reports_json(server) -> None:
     try:
         async def wait_up() -> None:
             client = await OServeClient.connect(server.url, subjects=subjects)
-            await _ping_until_up(client, 30)
+            await ping_until_up(client, 30)
             await client.close()
 
         asyncio.run(wait_up())
@@ -105,7 +93,7 @@ async def test_each_worker_runs_as_its_own_process(server) -> None:
     try:
         async def main() -> None:
             client = await OServeClient.connect(server.url, subjects=subjects)
-            await _ping_until_up(client, 40)
+            await ping_until_up(client, 40)
             replies = await asyncio.gather(*[client.submit(input_tokens=300, max_tokens=30, timeout_s=10)
                                              for _ in range(20)])
             assert {r.replica_id.split("-")[0] for r in replies} == {"s0"}  # the scheduler's first strategy

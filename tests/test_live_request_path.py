@@ -14,7 +14,7 @@ import pytest
 from oserve.streams.client import NoGateway, OServeClient, RequestRejected, RequestTimeout
 from oserve.streams.schemas import (AssignmentSet, Completed, Dispatch, ErrorCode, ErrorReply, Reply, SubmitRequest,
                                     decode, decode_reply, encode)
-from oserve.streams.testing import running_server, unique_subjects
+from oserve.streams.testing import running_server, unique_subjects, wait_until
 from oserve.workers.clock import Clock
 from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 from oserve.workers.gateway import Gateway, GatewayConfig
@@ -25,17 +25,6 @@ FAST_HB = dict(heartbeat_interval_wall_s=0.05)
 @pytest.fixture(scope="module")
 def server():
     yield from running_server()
-
-
-async def wait_until(predicate, timeout_s: float, what: str) -> None:
-    """Wait for a condition the system reaches on its own (bounded; fails with `what`)."""
-    async def loop() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-    try:
-        await asyncio.wait_for(loop(), timeout_s)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 async def start_system(stack: AsyncExitStack, url: str, replica_ids=("r0", "r1"), speedup: float = 50.0,

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oserve.observability.metrics import E2E_BUCKETS_S, TTFT_BUCKETS_S, Metrics, MetricsServer
 from oserve.streams.client import ClientError, OServeClient, RequestRejected
-from oserve.streams.testing import running_server, unique_subjects
+from oserve.streams.testing import ping_until_up, running_server, unique_subjects
 from oserve.traces import load_trace
 from oserve.workers.system import LiveSystem, SystemConfig, planning_inputs
 
@@ -175,16 +175,7 @@ async def test_the_metrics_port_option_of_oserve_up(server) -> None:
     try:
         async def main() -> None:
             client = await OServeClient.connect(server.url, subjects=subjects)
-
-            async def up() -> None:
-                while True:
-                    try:
-                        if (await client.ping(timeout_s=0.5)).num_replicas > 0:
-                            return
-                    except ClientError:
-                        pass
-                    await asyncio.sleep(0.1)
-            await asyncio.wait_for(up(), 30)
+            await ping_until_up(client, 30)
             await asyncio.gather(*[client.submit(input_tokens=100, max_tokens=8, timeout_s=10) for _ in range(3)])
             await client.close()
 

@@ -60,6 +60,8 @@ class Job:
     max_tokens. Only the `sim` and `echo` backends read it."""
     stream: bool = False
     """The client streams the answer: the engine asks `generated_tokens` as it goes."""
+    detokenize: bool = True
+    """The answer goes back as text too (`Dispatch.detokenize`); False: token counts only."""
 
     @property
     def answer_tokens(self) -> int:

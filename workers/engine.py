@@ -244,7 +244,7 @@ class EngineWorker(Worker):
         now_s = self.clock.now_s()
         self._seq += 1
         job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s,
-                  d.sim_output_tokens or 0, stream=d.stream)
+                  d.sim_output_tokens or 0, stream=d.stream, detokenize=d.detokenize)
         span = None
         if self.tracer is not None:
             # the GenAI inference span ("text_completion llama2-7b"), consuming the dispatch message
@@ -280,7 +280,7 @@ class EngineWorker(Worker):
     async def _send_chunk(self, item: _InFlight, tokens: int, now_s: float) -> None:
         """Send the tokens of a streamed answer produced since its last chunk, up to `tokens`."""
         job = item.job
-        text = self.backend.text(job.seq, item.sent_tokens, tokens)
+        text = self.backend.text(job.seq, item.sent_tokens, tokens) if job.detokenize else ""
         chunk = ReplyChunk(request_id=job.request_id, replica_id=self.config.replica_id, index=item.num_chunks,
                            offset_tokens=item.sent_tokens, num_tokens=tokens - item.sent_tokens, text=text,
                            offset_chars=item.sent_chars)
@@ -365,7 +365,7 @@ class EngineWorker(Worker):
                 payload = encode(Reply(request_id=job.request_id, replica_id=self.config.replica_id,
                                        input_tokens=job.input_tokens, output_tokens=f.output_tokens,
                                        type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
-                                       text=self.backend.text(job.seq, 0, f.output_tokens)))
+                                       text=self.backend.text(job.seq, 0, f.output_tokens) if job.detokenize else ""))
                 self._completions.append(Completion(
                     request_id=job.request_id, replica_id=self.config.replica_id, input_tokens=job.input_tokens,
                     output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
