@@ -86,6 +86,11 @@ class OServeClient:
         self._owns = owns_connection
         self._inbox_prefix = ""  # one inbox prefix for all this client's answers (`dedupe_key` matches its retries)
         self._inbox_seq = itertools.count()
+        # One subscription to `<prefix>.*` carries every answer (nats.py's request() does the same): a
+        # subscription per request would cost a SUB and an UNSUB on the wire for each.
+        self._answers: dict[str, asyncio.Queue] = {}  # inbox -> the messages answering it, until it closes
+        self._mux = None
+        self._mux_lock = asyncio.Lock()
 
     @classmethod
     async def connect(cls, url: str, *, subjects: Subjects = Subjects(), user: str | None = None,
@@ -143,7 +148,7 @@ class OServeClient:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
-        inbox = self._new_inbox()
+        inbox, answers = await self._open_inbox()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         span = self._publish_span("client.stream", request_id, payload)
@@ -152,7 +157,6 @@ class OServeClient:
             from oserve.observability.tracing import inject
 
             headers = inject(span)
-        sub = await self.nc.subscribe(inbox)
         ended = False  # the system is done with the request (answered, refused, or nobody took it)
         reason = "client_closed"
         try:
@@ -163,8 +167,8 @@ class OServeClient:
                 try:
                     if left_s <= 0:
                         raise nats.errors.TimeoutError
-                    msg = await sub.next_msg(timeout=left_s)
-                except nats.errors.TimeoutError:
+                    msg = await asyncio.wait_for(answers.get(), left_s)
+                except (TimeoutError, nats.errors.TimeoutError):
                     reason = "timeout"
                     raise RequestTimeout(f"request {request_id or '?'}: no full answer within {timeout} s") from None
                 if msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
@@ -205,15 +209,28 @@ class OServeClient:
                 await self._cancel(request_id, inbox, reason)
                 if span is not None:
                     span.set_attribute("oserve.cancelled", reason)
-            await self._unsubscribe(sub, request_id)
+            self._answers.pop(inbox, None)
             if span is not None:
                 span.end()
 
-    def _new_inbox(self) -> str:
-        """A fresh reply inbox under this client's one prefix."""
-        if not self._inbox_prefix:
-            self._inbox_prefix = self.nc.new_inbox()
-        return f"{self._inbox_prefix}.{next(self._inbox_seq)}"
+    async def _open_inbox(self) -> tuple[str, asyncio.Queue]:
+        """A fresh reply inbox under this client's one prefix, and the queue its answers arrive in (the
+        caller pops it from `_answers` when done; later answers to it are dropped)."""
+        if self._mux is None:
+            async with self._mux_lock:
+                if self._mux is None:
+                    if not self._inbox_prefix:
+                        self._inbox_prefix = self.nc.new_inbox()
+                    self._mux = await self.nc.subscribe(f"{self._inbox_prefix}.*", cb=self._on_answer)
+        inbox = f"{self._inbox_prefix}.{next(self._inbox_seq)}"
+        answers: asyncio.Queue = asyncio.Queue()
+        self._answers[inbox] = answers
+        return inbox, answers
+
+    async def _on_answer(self, msg) -> None:
+        answers = self._answers.get(msg.subject)
+        if answers is not None:  # else the request was given up: a late answer has nobody to go to
+            answers.put_nowait(msg)
 
     async def _cancel(self, request_id: str, inbox: str, reason: str) -> None:
         """Publish a `CancelRequest` for an abandoned request (best effort: a closed connection cancels nothing)."""
@@ -224,12 +241,6 @@ class OServeClient:
                                                                                reason=reason)))
         except (nats.errors.Error, OSError):  # connection closing: the gateway will see no answer come back
             log.debug("request %s: could not publish its cancel", request_id, exc_info=True)
-
-    async def _unsubscribe(self, sub, request_id: str) -> None:
-        try:
-            await sub.unsubscribe()
-        except (nats.errors.Error, OSError):  # connection already closed: nothing left to unsubscribe
-            log.debug("request %s: unsubscribe failed", request_id or "?", exc_info=True)
 
     async def submit_raw(self, payload: bytes, request_id: str = "", timeout_s: float | None = None) -> Reply | Pong:
         """Send already-encoded bytes to the gateway and decode the answer (tests send malformed ones).
@@ -259,8 +270,7 @@ class OServeClient:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
         span = self._publish_span("client.submit", request_id, payload)
-        inbox = self._new_inbox()
-        sub = await self.nc.subscribe(inbox)
+        inbox, answers = await self._open_inbox()
         ended = False  # an answer came (or nobody took the request): nothing to cancel
         reason = "client_closed"
         try:
@@ -271,8 +281,8 @@ class OServeClient:
                 headers = inject(span)
             await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
             try:
-                msg = await sub.next_msg(timeout=timeout)
-            except nats.errors.TimeoutError:
+                msg = await asyncio.wait_for(answers.get(), timeout)
+            except (TimeoutError, nats.errors.TimeoutError):
                 reason = "timeout"
                 raise RequestTimeout(f"request {request_id or '?'}: no reply within {timeout} s") from None
             ended = True
@@ -300,7 +310,7 @@ class OServeClient:
         finally:
             if cancel and not ended:
                 await self._cancel(request_id, inbox, reason)
-            await self._unsubscribe(sub, request_id)
+            self._answers.pop(inbox, None)
             if span is not None:
                 span.end()
 
