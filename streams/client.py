@@ -135,8 +135,9 @@ class OServeClient:
                          timeout_s: float | None = None) -> AsyncIterator[ReplyChunk | Reply]:
         """Send an encoded streaming `SubmitRequest` and yield what comes back: chunks, then the `Reply`.
 
-        The answer arrives on a private inbox subscription, unsubscribed when the iteration ends (close
-        the iterator, e.g. with `contextlib.aclosing`, to end it early). `timeout_s` bounds the whole
+        The answer arrives on an inbox of its own under the client's prefix (one subscription carries
+        every inbox), forgotten when the iteration ends (close the iterator, e.g. with
+        `contextlib.aclosing`, to end it early). `timeout_s` bounds the whole
         answer, as in `submit`. Only chunks that extend what was yielded are passed on (a re-dispatched
         request streams again from its start); when the `Reply`'s text goes beyond them, one more chunk
         (`index` -1) with the rest comes before it, so the chunks' texts concatenate to the reply's text
@@ -148,18 +149,19 @@ class OServeClient:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
-        inbox, answers = await self._open_inbox()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         span = self._publish_span("client.stream", request_id, payload)
-        headers = None
-        if span is not None:
-            from oserve.observability.tracing import inject
-
-            headers = inject(span)
         ended = False  # the system is done with the request (answered, refused, or nobody took it)
         reason = "client_closed"
+        inbox = ""
         try:
+            inbox, answers = await self._open_inbox()
+            headers = None
+            if span is not None:
+                from oserve.observability.tracing import inject
+
+                headers = inject(span)
             await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
             tokens, text = 0, ""  # what was yielded so far
             while True:
@@ -205,13 +207,15 @@ class OServeClient:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
             raise
         finally:
-            if not ended:  # closed early, timed out or cancelled: tell the system to stop generating
-                await self._cancel(request_id, inbox, reason)
+            self._answers.pop(inbox, None)  # first: nothing below may leave the queue behind
+            try:
+                if not ended and inbox:  # closed early, timed out or cancelled: tell the system to stop
+                    if span is not None:
+                        span.set_attribute("oserve.cancelled", reason)
+                    await self._cancel(request_id, inbox, reason)
+            finally:
                 if span is not None:
-                    span.set_attribute("oserve.cancelled", reason)
-            self._answers.pop(inbox, None)
-            if span is not None:
-                span.end()
+                    span.end()
 
     async def _open_inbox(self) -> tuple[str, asyncio.Queue]:
         """A fresh reply inbox under this client's one prefix, and the queue its answers arrive in (the
@@ -270,10 +274,11 @@ class OServeClient:
         if not timeout > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
         span = self._publish_span("client.submit", request_id, payload)
-        inbox, answers = await self._open_inbox()
         ended = False  # an answer came (or nobody took the request): nothing to cancel
         reason = "client_closed"
+        inbox = ""
         try:
+            inbox, answers = await self._open_inbox()
             headers = None
             if span is not None:
                 from oserve.observability.tracing import inject
@@ -308,11 +313,13 @@ class OServeClient:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
             raise
         finally:
-            if cancel and not ended:
-                await self._cancel(request_id, inbox, reason)
-            self._answers.pop(inbox, None)
-            if span is not None:
-                span.end()
+            self._answers.pop(inbox, None)  # first: nothing below may leave the queue behind
+            try:
+                if cancel and not ended and inbox:
+                    await self._cancel(request_id, inbox, reason)
+            finally:
+                if span is not None:
+                    span.end()
 
     async def ping(self, timeout_s: float = 2.0) -> Pong:
         """Ask a gateway whether it is up and how many replicas it sees."""

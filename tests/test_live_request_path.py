@@ -715,6 +715,10 @@ async def test_a_cancel_only_works_for_the_client_that_sent_the_request(server) 
             await other.publish(subjects.cancel(), encode(forged))
             await other.flush()
             await wait_until(lambda: gw.num_cancels_ignored == 1, 5, "the gateway to refuse the cancel")
+            # an inbox without a dot has an empty prefix: it must match nothing, not every dotless reply
+            await other.publish(subjects.cancel(), encode(CancelRequest(request_id="mine", inbox="x")))
+            await other.flush()
+            await wait_until(lambda: gw.num_cancels_ignored == 2, 5, "the gateway to refuse the dotless cancel")
             reply = await task
             assert reply.output_tokens == 200 and engines[0].num_cancelled == 0
 
@@ -759,3 +763,30 @@ async def test_a_timed_out_submit_is_cancelled(server) -> None:
             assert again.output_tokens == 5
 
     await asyncio.wait_for(main(), 30)
+
+
+async def test_an_id_sent_again_stays_owned_after_a_cancel_and_is_released_after_a_cached_answer(server) -> None:
+    """Two races of the gateway's ownership: a cancelled request's release must not make the gateway forget
+    the same id sent again right after; an id answered from the engine's cache must not stay owned forever."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=1.0)
+            with pytest.raises(RequestTimeout):
+                await client.submit(input_tokens=100, max_tokens=3000, request_id="slow", timeout_s=0.3)
+            again = asyncio.create_task(client.submit(input_tokens=100, max_tokens=3000, request_id="slow",
+                                                      timeout_s=20))
+            await wait_until(lambda: engines[0].num_cancelled == 1 and engines[0].num_inflight == 1, 5,
+                             "the cancel to land and the id sent again to be served")
+            await asyncio.sleep(0.2)  # ten completion flushes: a release of the cancelled one would be here
+            assert "slow" in gw.pending  # still owned: re-dispatched if its replica died
+            again.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await again
+            # answered once, then sent again: the engine answers from its cache and releases the new entry
+            first = await client.submit(input_tokens=10, max_tokens=3, request_id="done1", timeout_s=10)
+            second = await client.submit(input_tokens=10, max_tokens=3, request_id="done1", timeout_s=10)
+            assert second == first and engines[0].num_duplicates >= 1
+            await wait_until(lambda: "done1" not in gw.pending, 5, "the cached answer's release")
+
+    await asyncio.wait_for(main(), 40)

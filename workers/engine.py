@@ -234,6 +234,10 @@ class EngineWorker(Worker):
         cached = self._answered.get(key)
         if cached is not None or key in self._by_id:
             self.num_duplicates += 1
+            if cached is not None:
+                # answered before: the gateway that sent it again holds a new entry, which no completion
+                # will clear unless it is released (it would be re-dispatched and served again)
+                self._released.append(d.request_id)
             if cached is not None and msg.reply:
                 await self.nc.publish(msg.reply, cached)
             elif msg.reply:
@@ -299,7 +303,8 @@ class EngineWorker(Worker):
         self._streams.discard(seq)
         self.num_cancelled += 1
         done = self.backend.cancel(seq, self.clock.now_s())
-        self._released.append(a.request_id)
+        # not in `_released`: the gateway that sent the abort forgot the request already, and a release
+        # arriving after the client sent the same id again would make it forget the new one
         if self.metrics is not None:
             self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
         payload = encode(ErrorReply(request_id=a.request_id, code=ErrorCode.CANCELLED,

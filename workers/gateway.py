@@ -461,7 +461,8 @@ class Gateway(Worker):
             return
         assert isinstance(c, CancelRequest)
         p = self.pending.get(c.request_id)
-        if p is None or dedupe_key(c.inbox, "") != dedupe_key(p.reply, ""):
+        if (p is None or not p.reply or "." not in c.inbox
+                or dedupe_key(c.inbox, "") != dedupe_key(p.reply, "")):
             # answered already, another gateway's, or another client's request: nothing of ours to cancel
             self.num_cancels_ignored += 1
             return
@@ -484,7 +485,7 @@ class Gateway(Worker):
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
-        for request_id in c.released:  # answered with an error: not to be re-dispatched
+        for request_id in c.released:  # answered with an error, or from the cache: not to be re-dispatched
             pending.pop(request_id, None)
 
     # --- nothing lost --------------------------------------------------------------------------------

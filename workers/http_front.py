@@ -454,8 +454,9 @@ class OpenAIFront(Worker):
         if scheme.lower() == "bearer" and key_matches(given.strip(), self.config.api_keys):
             return
         self.num_errors += 1
-        if self.metrics is not None:
-            self.metrics.http_request(request.url.path, 401, 0.0)
+        if self.metrics is not None:  # labelled by route, not path: a path is anything a caller sends
+            route = getattr(request.scope.get("route"), "path", "other")
+            self.metrics.http_requests.labels(route, "401").inc()
         message = ("Incorrect API key provided." if given else
                    "You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
         raise APIError(401, message, "invalid_request_error", code="invalid_api_key")
