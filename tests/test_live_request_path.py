@@ -790,3 +790,25 @@ async def test_an_id_sent_again_stays_owned_after_a_cancel_and_is_released_after
             await wait_until(lambda: "done1" not in gw.pending, 5, "the cached answer's release")
 
     await asyncio.wait_for(main(), 40)
+
+
+async def test_a_cancel_read_before_its_submit_still_cancels_it(server) -> None:
+    """Each subscription's callbacks run in their own task: under a backlog a cancel can be read first."""
+    from oserve.streams.schemas import CancelRequest
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(subjects.cancel(), encode(CancelRequest(request_id="early", inbox=inbox)))
+            await wait_until(lambda: len(gw._early_cancels) == 1, 5, "the gateway to keep the early cancel")
+            await nc.publish(subjects.submit(), encode(SubmitRequest(request_id="early", input_tokens=10,
+                                                                     max_tokens=5)), reply=inbox)
+            answer = decode_reply((await sub.next_msg(timeout=5)).data)
+            assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.CANCELLED
+            assert engines[0].num_received == 0 and "early" not in gw.pending
+            # the same id from another inbox (a resend) is served
+            assert (await client.submit(input_tokens=10, max_tokens=5, request_id="early", timeout_s=10)).output_tokens == 5
+
+    await asyncio.wait_for(main(), 30)

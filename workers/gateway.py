@@ -39,6 +39,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass, field
 
@@ -64,6 +65,14 @@ from oserve.routing import least_loaded
 from oserve.traces import context_rule
 
 log = logging.getLogger(__name__)
+
+
+EARLY_CANCEL_WALL_S = 5.0
+"""How long a cancel for a request not held here is kept, in case its submit is still on its way: each
+subscription's callbacks run in a task of their own, so under a backlog of submits a cancel can be read
+first (wall seconds)."""
+MAX_EARLY_CANCELS = 10_000
+"""Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +191,8 @@ class Gateway(Worker):
         self.num_failed = 0
         self.num_cancelled = 0  # requests forgotten because their client cancelled them
         self.num_cancels_ignored = 0  # cancels for a request not held here, or naming another client's inbox
+        # (reply inbox, request id) of cancels that came before their submit -> wall time they came
+        self._early_cancels: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self.num_declared_dead = 0  # replicas declared dead for missing heartbeats (a replica may come back)
         self.num_errors = 0
 
@@ -369,6 +380,12 @@ class Gateway(Worker):
                     await self.nc.publish(msg.reply, encode(Pong(gateway_id=self.config.gateway_id,
                                                                  num_replicas=len(self._eligible))))
                 return
+            cancelled_at = self._early_cancels.pop((msg.reply, req.request_id), None) if self._early_cancels else None
+            if cancelled_at is not None and asyncio.get_running_loop().time() - cancelled_at <= EARLY_CANCEL_WALL_S:
+                # cancelled by its client before it got here (the exact inbox: a resend of the id is served)
+                self.num_cancelled += 1
+                await self._reject(msg, req.request_id, ErrorCode.CANCELLED, "cancelled by its client")
+                return
             cfg = self.config
             input_tokens = req.prompt_tokens()
             refused, cap = context_rule(input_tokens, req.max_tokens or 0, cfg.max_context_tokens)
@@ -461,6 +478,13 @@ class Gateway(Worker):
             return
         assert isinstance(c, CancelRequest)
         p = self.pending.get(c.request_id)
+        if p is None and "." in c.inbox:  # perhaps before its submit: kept a while (EARLY_CANCEL_WALL_S)
+            now = asyncio.get_running_loop().time()
+            early = self._early_cancels
+            early[(c.inbox, c.request_id)] = now
+            while early and (len(early) > MAX_EARLY_CANCELS
+                             or now - next(iter(early.values())) > EARLY_CANCEL_WALL_S):
+                early.popitem(last=False)
         if (p is None or not p.reply or "." not in c.inbox
                 or dedupe_key(c.inbox, "") != dedupe_key(p.reply, "")):
             # answered already, another gateway's, or another client's request: nothing of ours to cancel
