@@ -156,13 +156,7 @@ class OServeClient:
         reason = "client_closed"
         inbox = ""
         try:
-            inbox, answers = await self._open_inbox()
-            headers = None
-            if span is not None:
-                from oserve.observability.tracing import inject
-
-                headers = inject(span)
-            await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
+            inbox, answers = await self._send(payload, span)
             tokens, text = 0, ""  # what was yielded so far
             while True:
                 left_s = deadline - loop.time()
@@ -231,6 +225,22 @@ class OServeClient:
         self._answers[inbox] = answers
         return inbox, answers
 
+    async def _send(self, payload: bytes, span) -> tuple[str, asyncio.Queue]:
+        """Publish `payload` on the submit subject with a fresh inbox as its reply (and `span`'s trace
+        context); returns the inbox and the queue its answers arrive in."""
+        inbox, answers = await self._open_inbox()
+        headers = None
+        if span is not None:
+            from oserve.observability.tracing import inject
+
+            headers = inject(span)
+        try:
+            await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
+        except BaseException:
+            self._answers.pop(inbox, None)
+            raise
+        return inbox, answers
+
     async def _on_answer(self, msg) -> None:
         answers = self._answers.get(msg.subject)
         if answers is not None:  # else the request was given up: a late answer has nobody to go to
@@ -278,13 +288,7 @@ class OServeClient:
         reason = "client_closed"
         inbox = ""
         try:
-            inbox, answers = await self._open_inbox()
-            headers = None
-            if span is not None:
-                from oserve.observability.tracing import inject
-
-                headers = inject(span)
-            await self.nc.publish(self.subjects.submit(), payload, reply=inbox, headers=headers)
+            inbox, answers = await self._send(payload, span)
             try:
                 msg = await asyncio.wait_for(answers.get(), timeout)
             except (TimeoutError, nats.errors.TimeoutError):

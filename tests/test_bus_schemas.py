@@ -173,7 +173,6 @@ def test_completed_without_released_ids_still_decodes() -> None:
 
 
 async def test_a_typed_subscription_hands_over_decoded_messages_and_counts_bad_ones() -> None:
-    import asyncio
     from types import SimpleNamespace
 
     from oserve.workers.base import Worker

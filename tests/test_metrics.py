@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from oserve.observability.metrics import E2E_BUCKETS_S, TTFT_BUCKETS_S, Metrics, MetricsServer
-from oserve.streams.client import ClientError, OServeClient, RequestRejected
+from oserve.streams.client import OServeClient, RequestRejected
 from oserve.streams.testing import ping_until_up, running_server, unique_subjects
 from oserve.traces import load_trace
 from oserve.workers.system import LiveSystem, SystemConfig, planning_inputs
