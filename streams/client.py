@@ -195,21 +195,11 @@ class OServeClient:
                 yield answer
                 return
         except ClientError as exc:
-            if span is not None:
-                from opentelemetry.trace import Status, StatusCode
-
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            _failed(span, exc)
             raise
         finally:
-            self._answers.pop(inbox, None)  # first: nothing below may leave the queue behind
-            try:
-                if not ended and inbox:  # closed early, timed out or cancelled: tell the system to stop
-                    if span is not None:
-                        span.set_attribute("oserve.cancelled", reason)
-                    await self._cancel(request_id, inbox, reason)
-            finally:
-                if span is not None:
-                    span.end()
+            # closed early, timed out or cancelled: tell the system to stop generating
+            await self._close(request_id, inbox, span, reason if not ended else "")
 
     async def _open_inbox(self) -> tuple[str, asyncio.Queue]:
         """A fresh reply inbox under this client's one prefix, and the queue its answers arrive in (the
@@ -224,6 +214,18 @@ class OServeClient:
         answers: asyncio.Queue = asyncio.Queue()
         self._answers[inbox] = answers
         return inbox, answers
+
+    async def _close(self, request_id: str, inbox: str, span, cancel_reason: str) -> None:
+        """End one request's wait: forget its inbox, cancel it when `cancel_reason` says why, end its span."""
+        self._answers.pop(inbox, None)  # first: nothing below may leave the queue behind
+        try:
+            if cancel_reason and inbox:
+                if span is not None:
+                    span.set_attribute("oserve.cancelled", cancel_reason)
+                await self._cancel(request_id, inbox, cancel_reason)
+        finally:
+            if span is not None:
+                span.end()
 
     async def _send(self, payload: bytes, span) -> tuple[str, asyncio.Queue]:
         """Publish `payload` on the submit subject with a fresh inbox as its reply (and `span`'s trace
@@ -311,19 +313,10 @@ class OServeClient:
                                      "gen_ai.usage.output_tokens": answer.output_tokens})
             return answer
         except ClientError as exc:
-            if span is not None:
-                from opentelemetry.trace import Status, StatusCode
-
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            _failed(span, exc)
             raise
         finally:
-            self._answers.pop(inbox, None)  # first: nothing below may leave the queue behind
-            try:
-                if cancel and not ended and inbox:
-                    await self._cancel(request_id, inbox, reason)
-            finally:
-                if span is not None:
-                    span.end()
+            await self._close(request_id, inbox, span, reason if cancel and not ended else "")
 
     async def ping(self, timeout_s: float = 2.0) -> Pong:
         """Ask a gateway whether it is up and how many replicas it sees."""
@@ -340,6 +333,14 @@ class OServeClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _failed(span, exc: Exception) -> None:
+    """Mark a request's span (if traced) as failed with `exc`."""
+    if span is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, str(exc)))
 
 
 def new_part(chunk: ReplyChunk, tokens: int, text: str) -> ReplyChunk | None:
