@@ -33,7 +33,7 @@ import numpy as np
 
 from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError
-from oserve.perfmodel import Batch, PerfModel, ShapeTimer
+from oserve.perfmodel import Batch, PerfModel, ScaledTimer, ShapeTimer
 from oserve.specs import EngineConfig, GPUSpec, MemoryConfig, ModelSpec, ReplicaShape, kv_capacity_tokens, valid_shapes
 
 
@@ -139,6 +139,7 @@ class CapacityTable:
     max_replica_gpus: int = 16
     """Largest replica considered: beyond two nodes, pipeline bubbles and network hops only cost."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
+    _curves: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.perf is None:
@@ -172,11 +173,15 @@ class CapacityTable:
             self._cache[key] = hit
         return hit
 
+    def _timer_for(self, shape: ReplicaShape, j: int):
+        """The evaluator the capacity of (`shape`, type `j`) is computed with (`CorrectedTable` stretches it)."""
+        return self.perf.timer(shape)
+
     def _compute(self, shape: ReplicaShape, j: int) -> ReplicaCapacity:
         kv_tokens = kv_capacity_tokens(self.model, self.gpu, shape, self.memory)
         if kv_tokens <= 0:
             raise ConfigError(f"{shape} cannot hold {self.model.name} on {self.gpu.name}: no room for KV cache")
-        timer = self.perf.timer(shape)
+        timer = self._timer_for(shape, j)
         inputs, outputs, weights = self._samples[j]
         inputs = np.minimum(inputs, self.model.max_context_tokens - 1)
         outputs = np.maximum(np.minimum(outputs, self.model.max_context_tokens - inputs), 1)
@@ -210,14 +215,48 @@ class CapacityTable:
         # quantise), so take the best feasible B among fixed candidates; the candidates do not depend
         # on the target, so a looser target can only enlarge the feasible set.
         best: ReplicaCapacity | None = None
+        curve = []
         for b_total in _candidates(b_max):
             rate, tbt = evaluate(b_total)
+            curve.append((rate, tbt))
             if tbt <= self.target.tbt_s and (best is None or rate > best.rate_per_s):
                 best = ReplicaCapacity(rate, b_total, tbt, limit if b_total == b_max else "tbt")
+        self._curves[(shape, j)] = tuple(curve)
         if best is None:
             rate, tbt = evaluate(1)
             best = ReplicaCapacity(rate, 1, tbt, "tbt-unmet")
         return best
+
+    def tbt_at(self, shape: ReplicaShape, type_index: int, rate_per_s: float) -> float:
+        """The model's mean time between two tokens of a replica of `shape` serving type `type_index` at
+        `rate_per_s`: at the smallest batch of the capacity model's candidates that sustains that rate (the
+        largest batch's when none does). What the planner expects a replica's time per output token to
+        be at the load it plans for it."""
+        self.detail(shape, type_index)
+        curve = self._curves.get((shape, type_index))
+        if curve is None:  # computed before curves were kept (a copied cache)
+            self._cache.pop((shape, type_index), None)
+            self.detail(shape, type_index)
+            curve = self._curves[(shape, type_index)]
+        for rate, tbt in curve:
+            if rate >= rate_per_s:
+                return tbt
+        return curve[-1][1]
+
+
+@dataclass
+class CorrectedTable(CapacityTable):
+    """A capacity table computed by the same capacity model with the engine's time per (shape, type)
+    stretched by `time_scales[(shape, j)]` (1 for a pair not named): what a replica that runs type j
+    that much slower (above 1) or faster than the performance model serves under the same latency
+    target. The learned table of `oserve.planner.learned` is one."""
+
+    time_scales: dict = field(default_factory=dict)
+
+    def _timer_for(self, shape: ReplicaShape, j: int):
+        scale = float(self.time_scales.get((shape, j), 1.0))
+        base = self.perf.timer(shape)
+        return base if scale == 1.0 else ScaledTimer(base, scale)
 
 
 def _candidates(b_max: int) -> list[int]:

@@ -162,6 +162,9 @@ class SimReplica:
         self.migrating_out: set[int] = set()
         self.num_steps = 0
         self.busy_s = 0.0
+        self.saturated_s = 0.0
+        """Seconds of steps that ended with requests still waiting: the replica could not take all it was
+        sent (its batch or KV cache full), so what it finished meanwhile is what it can serve."""
         self.step_token = 0  # changes whenever the pending step end changes; stale kernel events are skipped
         self._admitted = 0
         self._queued_tokens = 0  # prompt tokens still to prefill of the waiting requests
@@ -557,6 +560,8 @@ class SimReplica:
         n_dec = self._run_n_dec
         self.num_steps += k
         self.busy_s += now_s - self._run_start_s
+        if self.waiting:
+            self.saturated_s += now_s - self._run_start_s
         if k > 1:
             self.free_blocks -= self._crossings(k) - self._crossings(1)
         if n_dec:

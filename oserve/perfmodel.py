@@ -380,3 +380,84 @@ def _all_reduce_curve(collectives: dict, tp: int) -> dict[str, list[float]]:
     ta = np.log(collective_seconds(a, sizes))
     tb = np.log(collective_seconds(b, sizes))
     return {"size_bytes": list(map(float, sizes)), "seconds": np.exp((1 - w) * ta + w * tb).tolist()}
+
+
+class ScaledTimer:
+    """A `ShapeTimer` whose times are `time_scale` times longer, its attention `attention_scale` times
+    longer on top (prefill pairs and KV reads: long contexts suffer most). Pure.
+
+    What an engine that differs from the performance model looks like (the robustness harness's injected
+    errors, `oserve.evaluation.robustness`) and what a corrected model believes (`oserve.capacity.
+    CorrectedTable`, the twin's scaled engine): the same cost curves, stretched."""
+
+    __slots__ = ("base", "time_scale", "attention_scale", "shape", "layers", "model")
+
+    def __init__(self, base: ShapeTimer, time_scale: float = 1.0, attention_scale: float = 1.0) -> None:
+        if not time_scale > 0 or not attention_scale > 0:
+            raise ValueError(f"ScaledTimer: scales must be positive, got {time_scale}, {attention_scale}")
+        if attention_scale != 1.0:
+            fresh = ShapeTimer.__new__(ShapeTimer)
+            fresh.__dict__.update(base.__dict__)
+            fresh._linear_cache, fresh._token_cache, fresh._lm_cache = {}, {}, {}
+            fresh._pair_s = base._pair_s * attention_scale
+            fresh._kv_read_s = base._kv_read_s * attention_scale
+            fresh._attn_kernel_s = base._attn_kernel_s * attention_scale
+            base = fresh
+        self.base, self.time_scale, self.attention_scale = base, float(time_scale), float(attention_scale)
+        self.shape, self.layers, self.model = base.shape, base.layers, base.model
+
+    def linear_seconds(self, num_tokens: int) -> float:
+        return self.time_scale * self.base.linear_seconds(num_tokens)
+
+    def attention_seconds(self, batch: Batch) -> float:
+        return self.time_scale * self.base.attention_seconds(batch)
+
+    def stage_seconds(self, batch: Batch) -> tuple[float, ...]:
+        return tuple(self.time_scale * t for t in self.base.stage_seconds(batch))
+
+    def iteration_seconds(self, batch: Batch) -> float:
+        return self.time_scale * self.base.iteration_seconds(batch)
+
+    def pipelined_step_seconds(self, micro: Batch) -> float:
+        return self.time_scale * self.base.pipelined_step_seconds(micro)
+
+    def bottleneck_seconds(self, batch: Batch) -> float:
+        return self.time_scale * self.base.bottleneck_seconds(batch)
+
+    def bottleneck_seconds_many(self, num_tokens: np.ndarray, prefill_pairs: np.ndarray,
+                                kv_tokens: np.ndarray, logit_rows: np.ndarray) -> np.ndarray:
+        return self.time_scale * self.base.bottleneck_seconds_many(num_tokens, prefill_pairs, kv_tokens, logit_rows)
+
+
+class ScaledPerf:
+    """A `PerfModel` whose replicas of some shapes run slower or faster: `scales[shape]` is (time scale,
+    attention scale); shapes not named run as `default` (1, 1 unless given). Duck-types `PerfModel`
+    for the simulator, the capacity table and the twin. Pure."""
+
+    def __init__(self, base: PerfModel, scales: dict[ReplicaShape, tuple[float, float]] | None = None,
+                 default: tuple[float, float] = (1.0, 1.0)) -> None:
+        self.base = base
+        self.scales = dict(scales or {})
+        self.default = default
+        self._timers: dict[ReplicaShape, ShapeTimer | ScaledTimer] = {}
+
+    model = property(lambda self: self.base.model)
+    gpu = property(lambda self: self.base.gpu)
+    gpus_per_node = property(lambda self: self.base.gpus_per_node)
+    iteration_overhead_s = property(lambda self: self.base.iteration_overhead_s)
+
+    def scale_of(self, shape: ReplicaShape) -> tuple[float, float]:
+        return self.scales.get(shape, self.default)
+
+    def timer(self, shape: ReplicaShape) -> ShapeTimer | ScaledTimer:
+        hit = self._timers.get(shape)
+        if hit is None:
+            time_scale, attention_scale = self.scale_of(shape)
+            base = self.base.timer(shape)
+            hit = base if time_scale == 1.0 and attention_scale == 1.0 else ScaledTimer(base, time_scale,
+                                                                                         attention_scale)
+            self._timers[shape] = hit
+        return hit
+
+    def iteration_seconds(self, shape: ReplicaShape, batch: Batch) -> float:
+        return self.timer(shape).iteration_seconds(batch)

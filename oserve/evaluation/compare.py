@@ -24,12 +24,13 @@ import numpy as np
 
 from oserve.capacity import LatencyTarget
 from oserve.errors import ConfigError
-from oserve.evaluation.baselines import StaticPolicy
+from oserve.evaluation.policies import MeasuringStaticPolicy
 from oserve.evaluation.bounds import isolated_latency_bound, p99_bound_s
 from oserve.evaluation.registry import POLICY_NAMES, STATIC_POLICIES, Setup, policy_spec
 from oserve.evaluation.scenarios import Scenario
 from oserve.forecast.registry import resolve_name
 from oserve.planner.candidates import homogeneous_deployment, static_capacity_rps
+from oserve.planner.adaptive import MeasuredRun
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.prior import Prior, fit_prior
@@ -54,6 +55,10 @@ class EvalConfig:
     the busy minutes past 0.9 / 0.9 of capacity and cannot win on P99."""
     bound: bool = True
     """Compute the isolated-latency lower bound on P99."""
+    engine: object | None = None
+    """The simulated engines' true speed when it is not the performance model's: a `PerfModel`-like object
+    (`oserve.perfmodel.ScaledPerf`, the robustness harness's injected errors). Every policy and the static
+    choice on the history run on it; the planners still believe the performance model."""
 
     def __post_init__(self) -> None:
         if self.static_candidates < 1:
@@ -101,8 +106,12 @@ class Comparison:
 
 
 def choose_static(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, prior: Prior, config: EvalConfig,
-                  progress: Callable[[str, float], None] | None = None) -> tuple[Deployment, dict[str, float]]:
-    """The static deployment, chosen on the history (module docstring): (deployment, shape -> P99 tried)."""
+                  progress: Callable[[str, float], None] | None = None,
+                  runs: list[MeasuredRun] | None = None) -> tuple[Deployment, dict[str, float]]:
+    """The static deployment, chosen on the history (module docstring): (deployment, shape -> P99 tried).
+    Each candidate's run is appended to `runs` when given: its engines' telemetry span by span (classes by
+    the prior's estimator) and its P99, what an operator measured before the window and OServe may learn
+    from too (`OServePolicy(measured=...)`)."""
     k = len(prior.class_names)
     mix = prior.counts.sum(axis=0)
     mix = mix / mix.sum() if mix.sum() > 0 else np.full(k, 1.0 / k)
@@ -114,8 +123,11 @@ def choose_static(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, pr
     for _, shape in ranked:
         dep = homogeneous_deployment(cluster, shape)
         cb = (lambda f, s=shape: progress(f"static {s} on history", f)) if progress else None
-        res = simulate(model, cluster.gpu, cluster, scenario.history, StaticPolicy(dep, k), config.sim, progress=cb)
+        policy = MeasuringStaticPolicy(dep, prior.fresh_estimator())
+        res = simulate(model, cluster.gpu, cluster, scenario.history, policy, config.sim, config.engine, progress=cb)
         p99 = res.percentile("e2e", 99)
+        if runs is not None:
+            runs.append(MeasuredRun(dep, tuple(policy.spans), p99))
         tried[str(shape)] = p99
         key = (int(res.dropped.sum()), p99)
         if best is None or key < best[0]:
@@ -139,10 +151,11 @@ def prepare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: 
     prior = fit_prior(scenario.history, model, cluster, target=config.target, span_s=span_s,
                       duration_s=scenario.history_s)
     ctx = PlanningContext(model, cluster, prior.table, config.costs)
-    static, tried = (choose_static(model, cluster, scenario, prior, config, progress) if needs_static
+    runs: list[MeasuredRun] = []
+    static, tried = (choose_static(model, cluster, scenario, prior, config, progress, runs) if needs_static
                      else (Deployment.empty(), {}))
     return Prepared(Setup(model, cluster, ctx, prior, scenario.history, scenario.history_s, static, span_s,
-                          config.planner, config.forecaster, scenario.window), tried)
+                          config.planner, config.forecaster, scenario.window, config.engine, tuple(runs)), tried)
 
 
 def run_policy(setup: Setup, name: str, sim: SimConfig, progress: Callable[[float], None] | None = None,
@@ -151,7 +164,7 @@ def run_policy(setup: Setup, name: str, sim: SimConfig, progress: Callable[[floa
     at arrival was their true type (by the prior's types on true lengths; NaN for a policy that does not
     classify)."""
     policy = policy_spec(name).build(setup)
-    r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.window, policy, sim, progress=progress,
+    r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.window, policy, sim, setup.engine, progress=progress,
                  timer=timer)
     return r, (class_accuracy(r, setup.prior) if getattr(policy, "classifies", False) else math.nan)
 
@@ -182,7 +195,7 @@ def compare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, policies
         if not math.isnan(acc):
             accuracy[name] = acc
     bound = math.nan
-    if config.bound:
+    if config.bound and config.engine is None:
         bound = p99_bound_s(isolated_latency_bound(model, cluster, setup.prior.table, scenario.window, config.sim))
     static_shape = str(setup.static.replicas[0].shape) if setup.static.replicas else ""
     return Comparison(scenario.name, results, static_shape, prepared.static_tried, setup.prior, bound, accuracy)

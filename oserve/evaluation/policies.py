@@ -20,12 +20,16 @@ from oserve.forecast.base import Forecaster
 from oserve.forecast.rates import RateForecaster
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
+from oserve.planner.adaptive import GuardConfig, MeasuredRun, SelfCorrectingPlanner, SpanRecord
+from oserve.planner.learned import LearnerConfig, replica_windows, saturated_gpus
 from oserve.planner.oserve import OServePlanner
 from oserve.online_types import OnlineTypes
 from oserve.planner.prior import Prior, client_tag
+from oserve.planner.static import everywhere
 from oserve.planner.twin import ArrivalPattern
 from oserve.routing import ReplicaLoad, least_loaded
 from oserve.sim.kernel import ArrivalInfo, SpanView
+from oserve.specs import Deployment
 from oserve.traces import Trace
 
 
@@ -112,14 +116,38 @@ class Gateway:
 
 
 class OServePolicy(Gateway):
-    """OServe: forecast per-class rates, then `OServePlanner.plan`, the live scheduler's very call."""
+    """OServe: forecast per-class rates, then the planner, the live scheduler's very call: with
+    `learn_capacity` (the default) `SelfCorrectingPlanner.plan`, told each span what every replica did
+    (`ReplicaWindow`s from the engines' counters) and first what the `measured` runs before the window
+    showed (the static candidates on the history), else `OServePlanner.plan` on the prior's table."""
 
     def __init__(self, ctx: PlanningContext, prior: Prior, forecaster: Forecaster, span_s: float,
-                 config: PlannerConfig = PlannerConfig(), name: str = "oserve") -> None:
+                 config: PlannerConfig = PlannerConfig(), name: str = "oserve", learn_capacity: bool = True,
+                 learner: LearnerConfig = LearnerConfig(), guard: GuardConfig = GuardConfig(),
+                 measured: tuple[MeasuredRun, ...] = ()) -> None:
         super().__init__(name, len(prior.class_names), prior.fresh_estimator())
-        self.planner = OServePlanner(ctx, config)
+        self.adaptive = SelfCorrectingPlanner(ctx, config, learner, guard, prior.counts.sum(axis=0)) \
+            if learn_capacity else None
+        if self.adaptive is not None:
+            self.adaptive.seed(measured)
+        self.telemetry = Telemetry(self.k, learner.saturated_frac)
+        self.planner = self.adaptive if self.adaptive is not None else OServePlanner(ctx, config)
         forecaster.fit(prior.counts)
         self.rates = RateForecaster(forecaster, span_s)
+        self.outcomes: list[dict] = []
+        """Per span with learning: what the span showed (saturated replicas, backlog, underserved) and the
+        correction then in force."""
+
+    def decide(self, view: SpanView) -> Decision | None:
+        if self.adaptive is not None:
+            span = self.telemetry.span(view, float(self._counts.sum()))
+            if view.current is not None:
+                out = self.adaptive.observe(span, view.current)
+                self.outcomes.append({"span_index": view.span_index, "underserved": out.underserved,
+                                      "saturated_replicas": out.saturated_replicas, "learned": out.learned,
+                                      "scales": {f"{s}/{self.adaptive.class_names[j]}": v
+                                                 for (s, j), v in self.adaptive.correction.scales.items()}})
+        return super().decide(view)
 
     def next_rates(self, view: SpanView, counts: np.ndarray) -> np.ndarray:
         """The forecast for the coming span (the first from the history alone)."""
@@ -132,6 +160,51 @@ class OServePolicy(Gateway):
         # the first deployment is scored on a long Poisson span: there is no span of this window yet
         recent = pattern if view.current is not None else None
         return self.planner.plan(rates, view.current, recent, view.span_s)
+
+
+class Telemetry:
+    """Turns the span views a policy is shown into `SpanRecord`s: each replica's counters differenced over
+    the span (`oserve.planner.learned.replica_windows`), with the span's arrivals and completions."""
+
+    def __init__(self, num_classes: int, saturated_frac: float = LearnerConfig().saturated_frac) -> None:
+        self.k = num_classes
+        self.saturated_frac = saturated_frac
+        self._before: dict = {}
+        self._saturated: set = set()
+
+    def span(self, view: SpanView, arrivals: float) -> SpanRecord:
+        windows = replica_windows(self._before, view.replicas, view.completed, self.k, view.span_s, self._saturated)
+        self._saturated = saturated_gpus(self._before, view.replicas, view.span_s, self.saturated_frac)
+        growth = sum(r.num_waiting - self._before[tuple(r.gpu_ids)].num_waiting for r in view.replicas
+                     if tuple(r.gpu_ids) in self._before and self._before[tuple(r.gpu_ids)].shape == r.shape)
+        self._before = {tuple(r.gpu_ids): r for r in view.replicas}
+        return SpanRecord(tuple(windows), arrivals, float(len(view.completed)), view.span_s, float(growth))
+
+
+class MeasuringStaticPolicy(Gateway):
+    """The static deployment as an operator measures it before the window: served as vllm-static serves it
+    (every replica eligible, least loaded), each arrival classed by the estimator so the engines'
+    telemetry per class can be kept (`spans`) for OServe's learned capacity (`MeasuredRun`)."""
+
+    def __init__(self, deployment: Deployment, estimator: OnlineTypes, name: str = "static-measured") -> None:
+        super().__init__(name, len(estimator.types.names), estimator)
+        self.deployment = deployment
+        self.telemetry = Telemetry(self.k)
+        self.spans: list[SpanRecord] = []
+
+    def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
+        return least_loaded(loads, None)
+
+    def decide(self, view: SpanView) -> Decision | None:
+        span = self.telemetry.span(view, float(self._counts.sum()))
+        if view.current is not None:
+            self.spans.append(span)
+        return super().decide(view)
+
+    def plan(self, view: SpanView, counts: np.ndarray, pattern: ArrivalPattern) -> Decision | None:
+        if view.current is not None:
+            return None
+        return Decision(self.deployment, everywhere(self.deployment, self.k), 0.0, (), "static")
 
 
 class PerfectForecastPolicy(OServePolicy):

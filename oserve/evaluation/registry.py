@@ -43,6 +43,11 @@ class Setup:
     """Forecaster kind of the forecasting policies (`oserve.forecast.registry`)."""
     window: Trace
     """The requests served. Only the perfect-forecast reference is handed it."""
+    engine: object | None = None
+    """The simulated engines' true speed (`EvalConfig.engine`); None: the performance model's."""
+    measured: tuple = ()
+    """The static candidates' runs on the history (`oserve.planner.adaptive.MeasuredRun`): what an operator
+    measured before the window; OServe's learned capacity starts from them."""
 
     @property
     def num_classes(self) -> int:
@@ -63,7 +68,7 @@ class PolicySpec:
 
 _SPECS = (
     PolicySpec("oserve", "OServe: per-class forecast, deployment chosen on the digital twin, GPU-to-GPU switches",
-               lambda s: OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner)),
+               lambda s: OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner, measured=s.measured)),
     PolicySpec("vllm-static", "the best homogeneous deployment (chosen on the history), least-loaded routing",
                lambda s: StaticPolicy(s.static, s.num_classes)),
     PolicySpec("vllm-static-rr", "the same static deployment with round-robin routing (vLLM's router)",

@@ -56,10 +56,12 @@ class OServePlanner:
     """OServe's decision (see the module docstring). Holds no state between calls: what it needs of the
     past comes in the `current` decision (its deployment, and the rates it was last scored at)."""
 
-    def __init__(self, ctx: PlanningContext, config: PlannerConfig = PlannerConfig()) -> None:
+    def __init__(self, ctx: PlanningContext, config: PlannerConfig = PlannerConfig(), perf=None) -> None:
+        """`perf`: the engine the twin simulates (the performance model by default; a learned correction's
+        `oserve.perfmodel.ScaledPerf` when the capacity is learned, `oserve.planner.learned`)."""
         self.ctx = ctx
         self.config = config
-        self.twin = DigitalTwin(ctx.model, ctx.cluster.gpu, ctx.cluster, ctx.table.types, config.twin) \
+        self.twin = DigitalTwin(ctx.model, ctx.cluster.gpu, ctx.cluster, ctx.table.types, config.twin, perf) \
             if config.twin is not None else None
 
     @property

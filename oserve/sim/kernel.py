@@ -124,6 +124,26 @@ class CompletionInfo:
     client_id: int
     routed_class: int
     """The class the policy gave it at arrival."""
+    replica_gpus: tuple[int, ...] = ()
+    """The GPUs of the replica that finished it (a replica's identity across decisions)."""
+    first_token_s: float = math.nan
+    """When its first token came (TTFT and time per output token follow, as engines report them)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """One replica's counters at a span boundary, as its engine's telemetry reports them (cumulative since
+    it started, like Prometheus counters): never a request or a length."""
+
+    gpu_ids: tuple[int, ...]
+    shape: ReplicaShape
+    busy_s: float
+    """Seconds it spent running steps."""
+    saturated_s: float
+    """Seconds of steps that ended with requests still waiting (it could not take all it was sent)."""
+    num_waiting: int
+    num_running: int
+    ready: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +157,8 @@ class SpanView:
     """The decision in force (None before the first)."""
     completed: tuple[CompletionInfo, ...] = ()
     """Requests finished since the previous span boundary, in finish order."""
+    replicas: tuple[ReplicaStats, ...] = ()
+    """The telemetry of the replicas in force (`ReplicaStats`), in the decision's order."""
 
 
 class Policy(Protocol):
@@ -426,13 +448,15 @@ class _Kernel:
         rep = self.replicas[k]
         self.schedule(rep, rep.enqueue(req, now))
 
-    def finish(self, finished: tuple[SimRequest, ...] | list[SimRequest]) -> None:
-        """Record what a step finished, for the policy's next view."""
+    def finish(self, finished: tuple[SimRequest, ...] | list[SimRequest], rep: SimReplica) -> None:
+        """Record what a step of `rep` finished, for the policy's next view."""
         trace = self.trace
+        gpus = tuple(rep.gpu_ids)
         for r in finished:
             i = r.request_id
             self.completed.append(CompletionInfo(i, r.arrival_s, r.finish_s, r.input_tokens, r.output_tokens,
-                                                 int(trace.max_tokens[i]), int(trace.client_ids[i]), r.type_index))
+                                                 int(trace.max_tokens[i]), int(trace.client_ids[i]), r.type_index,
+                                                 gpus, r.first_token_s))
 
     def apply(self, new: Decision, now: float) -> bool:
         """Move to a new decision; True when any replica changed."""
@@ -549,7 +573,9 @@ class _Kernel:
             self.dispatch(req, now)  # the destination retired meanwhile: any current replica, KV kept
 
     def on_span(self, i: int, now: float) -> None:
-        view = SpanView(i, now, self.config.span_s, self.decision, tuple(self.completed))
+        stats = tuple(ReplicaStats(tuple(r.gpu_ids), r.shape, r.busy_s, r.saturated_s, len(r.waiting), r.num_running,
+                                   r.ready) for r in self.replicas)
+        view = SpanView(i, now, self.config.span_s, self.decision, tuple(self.completed), stats)
         self.completed = []
         start = self.timer() if self.timer is not None else math.nan
         new = self.policy.decide(view)
@@ -597,19 +623,19 @@ class _Kernel:
                 if token != rep.step_token or not rep.busy:
                     continue
                 if id(rep) in self.handoff_due:
-                    self.finish(rep.on_step_end(now, start_next=False).finished)  # finish the step, then empty it
+                    self.finish(rep.on_step_end(now, start_next=False).finished, rep)  # finish the step, then empty it
                     for m in self.leaving.pop(id(rep), ()):
                         self.cancel_migration(m)
                     self.hand_off(rep, now)
                     continue
                 if self.leaving and id(rep) in self.leaving:
-                    self.finish(rep.on_step_end(now, start_next=False).finished)
+                    self.finish(rep.on_step_end(now, start_next=False).finished, rep)
                     self.detach(rep, self.leaving.pop(id(rep)), now)
                     self.schedule(rep, rep.wake(now))
                     continue
                 out = rep.on_step_end(now)
                 if out.finished:
-                    self.finish(out.finished)
+                    self.finish(out.finished, rep)
                 self.schedule(rep, out.next_end_s)
             elif kind == SPAN:
                 self.on_span(payload, now)

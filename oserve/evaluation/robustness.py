@@ -1,0 +1,137 @@
+"""Robustness to a wrong capacity model: engines that are not what the planner believes. Pure (a progress
+callback may be handed in).
+
+The harness injects a known error: every simulated engine runs on a `ScaledPerf` (its iteration times
+stretched per shape, its attention per shape, or everything), while every planner keeps believing the
+performance model. Each perturbation is run on each scenario with, side by side on the same window:
+- `vllm-static`: the static deployment, chosen on the history by simulating the candidates on the
+  *true* engines (an operator measures on the hardware they have);
+- `oserve`: capacity learned online with the guard (`oserve.planner.adaptive`);
+- `oserve-trusting`: the same planner trusting the model's table (learning off), as before;
+- `oserve-true-table`: the planner handed the true table and a twin on the true engines (a reference:
+  what a perfectly calibrated model gives).
+For `oserve`, the learned table is compared with the true one (the capacity model on the perturbed
+engine) on every (shape, class) pair it has evidence on, against the model's error on the same pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from oserve.capacity import CapacityTable
+from oserve.evaluation.compare import EvalConfig, prepare, run_policy
+from oserve.evaluation.policies import OServePolicy
+from oserve.evaluation.scenarios import Scenario
+from oserve.perfmodel import PerfModel, ScaledPerf
+from oserve.planner.oserve import OServePlanner
+from oserve.sim.kernel import SimResult, simulate
+from oserve.specs import ClusterSpec, MemoryConfig, ModelSpec, ReplicaShape, valid_shapes
+
+Injector = Callable[[ModelSpec, ClusterSpec, tuple[ReplicaShape, ...]], ScaledPerf]
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    name: str
+    description: str
+    engine: Injector
+
+
+def _perf(model: ModelSpec, cluster: ClusterSpec) -> PerfModel:
+    return PerfModel(model, cluster.gpu, gpus_per_node=cluster.gpus_per_node)
+
+
+PERTURBATIONS: dict[str, Perturbation] = {p.name: p for p in (
+    Perturbation("none", "engines exactly as the performance model says",
+                 lambda m, c, shapes: ScaledPerf(_perf(m, c))),
+    Perturbation("global-x0.5", "every engine half as fast as modelled (capacity x0.5)",
+                 lambda m, c, shapes: ScaledPerf(_perf(m, c), default=(2.0, 1.0))),
+    Perturbation("global-x2", "every engine twice as fast as modelled (capacity x2)",
+                 lambda m, c, shapes: ScaledPerf(_perf(m, c), default=(0.5, 1.0))),
+    Perturbation("pp-x0.5", "shapes with pipeline stages half as fast (a slower link between stages)",
+                 lambda m, c, shapes: ScaledPerf(_perf(m, c), {s: (2.0, 1.0) for s in shapes if s.pp > 1})),
+    Perturbation("attention-x4", "attention 4x slower on every shape: long prompts and answers suffer most",
+                 lambda m, c, shapes: ScaledPerf(_perf(m, c), default=(1.0, 4.0))),
+    Perturbation("tp4-long-x0.5", "TP4 replicas' attention 8x slower: one shape about 2x slower on long inputs",
+                 lambda m, c, shapes: ScaledPerf(_perf(m, c), {s: (1.0, 8.0) for s in shapes if s.tp == 4})),
+)}
+TUNING_PERTURBATIONS = ("none", "global-x0.5", "pp-x0.5")
+"""What the learner's and guard's settings were chosen on; the rest are reported only."""
+
+
+@dataclass
+class RobustnessRow:
+    scenario: str
+    perturbation: str
+    results: dict[str, dict]
+    """Policy -> finished, admitted, p99_e2e_s, switches."""
+    learned_error: float
+    """Mean |learned / true - 1| of the capacity over the (shape, class) pairs the learner has evidence on."""
+    model_error: float
+    """The model's (prior table's) error on the same pairs."""
+    pairs: int
+    table: list[dict]
+    """The learned table's rows (model, learned and true capacity per shape and class)."""
+
+
+def _summary(r: SimResult) -> dict:
+    return {"finished": int(r.finished.sum()), "admitted": int(r.admitted.sum()),
+            "p99_e2e_s": r.percentile("e2e", 99), "p50_e2e_s": r.percentile("e2e", 50),
+            "switches": sum(1 for s in r.spans[1:] if s["switched"])}
+
+
+def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, perturbation: Perturbation,
+                   config: EvalConfig = EvalConfig(bound=False),
+                   progress: Callable[[str], None] | None = None) -> RobustnessRow:
+    """The four runs of the module docstring for one scenario and one injected error."""
+    base = _perf(model, cluster)
+    shapes = valid_shapes(model, cluster.gpu, cluster.gpus_per_node, cluster.num_gpus, MemoryConfig())
+    truth = perturbation.engine(model, cluster, shapes)
+    cfg = replace(config, engine=truth, bound=False)
+    setup = prepare(model, cluster, scenario, cfg).setup
+    results: dict[str, dict] = {}
+
+    def note(what: str) -> None:
+        if progress is not None:
+            progress(f"{scenario.name} / {perturbation.name}: {what}")
+
+    note("vllm-static")
+    results["vllm-static"] = _summary(run_policy(setup, "vllm-static", cfg.sim)[0])
+    note("oserve")
+    learning = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
+                            measured=setup.measured)
+    results["oserve"] = _summary(simulate(model, cluster.gpu, cluster, setup.window, learning, cfg.sim, truth))
+    note("oserve-trusting")
+    trusting = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
+                            name="oserve-trusting", learn_capacity=False)
+    results["oserve-trusting"] = _summary(simulate(model, cluster.gpu, cluster, setup.window, trusting, cfg.sim,
+                                                   truth))
+    note("oserve-true-table")
+    t = setup.ctx.table
+    true_table = CapacityTable(t.model, t.gpu, t.types, t.target, t.memory, t.gpus_per_node, t.engine, truth,
+                               t.max_replica_gpus)
+    told = OServePolicy(replace(setup.ctx, table=true_table), setup.prior, setup.new_forecaster(), setup.span_s,
+                        setup.planner, name="oserve-true-table", learn_capacity=False)
+    told.planner = OServePlanner(replace(setup.ctx, table=true_table), setup.planner, truth)
+    results["oserve-true-table"] = _summary(simulate(model, cluster.gpu, cluster, setup.window, told, cfg.sim, truth))
+    assert learning.adaptive is not None
+    rows = learning.adaptive.learner.report()
+    errs, model_errs = [], []
+    for row in rows:
+        shape = _parse_shape(row["shape"])
+        j = t.type_names.index(row["class"])
+        row["true_rps"] = true_table.rate(shape, j)
+        errs.append(abs(row["learned_rps"] / row["true_rps"] - 1.0))
+        model_errs.append(abs(row["model_rps"] / row["true_rps"] - 1.0))
+    return RobustnessRow(scenario.name, perturbation.name, results,
+                         float(np.mean(errs)) if errs else math.nan,
+                         float(np.mean(model_errs)) if model_errs else math.nan, len(rows), rows)
+
+
+def _parse_shape(text: str) -> ReplicaShape:
+    tp, _, pp = text.removeprefix("TP").partition("xPP")
+    return ReplicaShape(int(tp), int(pp or 1))

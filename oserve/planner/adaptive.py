@@ -1,0 +1,356 @@
+"""OServe's planner with its capacity learned online and a guard against its own model. Pure.
+
+`SelfCorrectingPlanner` wraps `OServePlanner` for both callers (the simulator's OServe policy and the
+live scheduler worker): each span it is told what every replica did (`oserve.planner.learned.
+ReplicaWindow`s, from the engines' counters), and then plans.
+
+- **Learned capacity.** The windows update the `CapacityLearner`; the planner in force is the one built
+  for the rounded correction (the corrected capacity table, and a twin whose engine runs each shape at
+  its learned speed), rebuilt only when the correction moves by a rounding step. When it moves, the
+  decision in force is rescored at once, whatever the forecast did: the capacities it was scored with
+  are no longer believed.
+- **The guard.** A deployment *underserves* in a span when one of its replicas was saturated through
+  the span (requests waited: it could not take what it was sent) although the plan gave it at most
+  `guard_planned_utilisation` of its capacity, or when the requests in the system grew by more than
+  `guard_backlog_frac` of the span's arrivals. Every deployment that ran is remembered with the
+  highest demand it served in a span without underserving. When the deployment in force underserved
+  and the evidence on its pairs is still thin (posterior sd above `guard_thin_sd`), the planner returns
+  to the deployment measured to serve the most (one that served at least `guard_demand_frac` of the
+  forecast demand cleanly), switching at any cost ("guard"): the measured beats the modelled. With no
+  such deployment, or with firm evidence, it re-plans with the corrected capacities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from oserve.decision import Decision
+from oserve.errors import ConfigError
+from oserve.perfmodel import PerfModel, ScaledPerf
+from oserve.planner.candidates import served, stabilize, weights_for
+from oserve.planner.config import PlannerConfig
+from oserve.planner.context import PlanningContext
+from oserve.planner.learned import CapacityLearner, Correction, LearnerConfig, ReplicaWindow
+from oserve.planner.oserve import OServePlanner
+from oserve.planner.twin import ArrivalPattern
+from oserve.specs import Deployment, ReplicaShape
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    """When the deployment in force is judged to underserve, and what the guard does then."""
+
+    enabled: bool = True
+    planned_utilisation: float = 0.9
+    """A replica saturated through a span, or slower than the latency target allows, underserves only if
+    the plan gave it at most this share of its (learned) capacity: one planned at its limit is expected
+    to queue."""
+    tpot_factor: float = 2.0
+    """A replica is slower than planned when the mean time per output token of what it finished in the span
+    is above this many times what the (learned) model expects at the load it was given
+    (`CapacityTable.tbt_at`). On correct engines the ratio stays within 0.8-1.8 (azure-conv, 30 min)."""
+    backlog_frac: float = 0.1
+    """... or the requests waiting in its engines' queues grew by more than this fraction of the span's
+    arrivals."""
+    thin_sd: float = 0.15
+    """Evidence is thin while the mean posterior sd of the time scales of the deployment's pairs is above this."""
+    demand_frac: float = 0.8
+    """A deployment is returned to for its clean record only if it served cleanly at least this fraction of
+    the forecast demand ..."""
+    full_gain: float = 0.1
+    """... or, when none did, for its full rate: it finished this fraction more per second when full than
+    the deployment in force."""
+
+    def __post_init__(self) -> None:
+        for name in ("planned_utilisation", "backlog_frac", "thin_sd", "demand_frac", "full_gain", "tpot_factor"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"GuardConfig.{name} must be > 0, got {getattr(self, name)!r}")
+
+
+@dataclass
+class Measured:
+    """What one deployment (by its multiset of shapes) was seen to do while it was in force."""
+
+    deployment: Deployment
+    spans: int = 0
+    underserved_spans: int = 0
+    best_clean_demand_rps: float = 0.0
+    """The highest demand (arrivals / span) it served in a span without underserving."""
+    best_full_rps: float = 0.0
+    """The most it finished per second in a span in which it underserved: what it serves when full."""
+    p99_s: float = float("inf")
+    """Its P99 where it was measured on a whole run before the window (the history), else inf."""
+    distrusted: bool = False
+    """It underserved at a load its table said it carries and the guard moved away from it: the planner
+    does not return to it while the evidence on its pairs is thin."""
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """What one span of a deployment showed: its replica windows, arrivals, completions, and how much the
+    requests waiting in its engines' queues grew (waiting at its end minus at its start, over the replicas
+    that served through it)."""
+
+    windows: tuple[ReplicaWindow, ...]
+    arrivals: float
+    completions: float
+    span_s: float
+    waiting_growth: float = 0.0
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """A deployment measured on a whole run before the window (the static candidates on the history):
+    its spans, to learn from, and its P99 there."""
+
+    deployment: Deployment
+    spans: tuple[SpanRecord, ...]
+    p99_s: float
+
+
+@dataclass
+class SpanOutcome:
+    """What the last span showed about the deployment in force (the guard's input, also published)."""
+
+    underserved: bool = False
+    saturated_replicas: int = 0
+    backlog_growth: float = 0.0
+    learned: int = 0
+    """Replica spans that moved the capacity estimate."""
+
+
+def deployment_key(deployment: Deployment) -> tuple[ReplicaShape, ...]:
+    return tuple(sorted(deployment.shapes()))
+
+
+class SelfCorrectingPlanner:
+    """`OServePlanner` with learned capacity and the guard (module docstring). Holds the learner's state and
+    what each deployment was measured to do; `plan` is as pure as `OServePlanner.plan` given that state."""
+
+    def __init__(self, ctx: PlanningContext, config: PlannerConfig = PlannerConfig(),
+                 learner: LearnerConfig = LearnerConfig(), guard: GuardConfig = GuardConfig(),
+                 mix: np.ndarray | None = None) -> None:
+        self.base_ctx = ctx
+        self.config = config
+        self.guard = guard
+        self.learner = CapacityLearner(ctx.table, ctx.table.shapes(ctx.cluster.num_gpus), learner)
+        k = len(ctx.class_names)
+        mix = np.full(k, 1.0 / k) if mix is None or np.sum(mix) <= 0 else np.asarray(mix, dtype=float) / np.sum(mix)
+        self.mix = mix
+        """The class mix that weighs a shape's learned per-class scales into one for the twin's engine."""
+        self._perf = PerfModel(ctx.model, ctx.cluster.gpu, gpus_per_node=ctx.cluster.gpus_per_node)
+        self._planners: dict[tuple, OServePlanner] = {}
+        self.correction = Correction()
+        self.planner = self._planner_for(self.correction)
+        self.measured: dict[tuple, Measured] = {}
+        self.last = SpanOutcome()
+        self.verifying = False
+        """Set once the guard has fired: the model was caught wrong, so from then on the planner moves only
+        to deployments measured to serve the demand or whose capacity the evidence pins down."""
+        self.guard_events = 0
+        self._scored_with: tuple = ()
+
+    @property
+    def ctx(self) -> PlanningContext:
+        return self.planner.ctx
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.base_ctx.class_names
+
+    def _planner_for(self, correction: Correction) -> OServePlanner:
+        hit = self._planners.get(correction.key)
+        if hit is None:
+            table = self.learner.corrected_table(correction)
+            ctx = replace(self.base_ctx, table=table)
+            perf = None
+            if correction.scales:
+                scales = {}
+                for shape in sorted({s for s, _ in correction.scales}):
+                    work = self.mix / self.learner.saturated_rates(shape)
+                    u = correction.shape_scale(shape, work)
+                    if abs(u - 1.0) > 1e-9:
+                        scales[shape] = (u, 1.0)
+                perf = ScaledPerf(self._perf, scales)
+            hit = OServePlanner(ctx, self.config, perf)
+            if len(self._planners) > 32:
+                self._planners.clear()
+            self._planners[correction.key] = hit
+        return hit
+
+    # --- what a span showed -----------------------------------------------------------------------
+
+    def seed(self, runs: tuple[MeasuredRun, ...] | list[MeasuredRun]) -> None:
+        """Learn from deployments measured before the window (their spans, and their P99 there). The
+        windows of replicas that had time to spare are checked again once all are learned (they bound the
+        estimate only where it breaks them, and the others may have moved it). A deployment that
+        underserved there is distrusted and the planner starts verifying: the model was caught wrong
+        before the window began."""
+        for run in runs:
+            for span in run.spans:
+                self._record(run.deployment, None, span)
+            record = self.measured.setdefault(deployment_key(run.deployment), Measured(run.deployment))
+            record.p99_s = min(record.p99_s, run.p99_s)
+        for _ in range(2):
+            moved = sum(self.learner.observe(w) for run in runs for span in run.spans for w in span.windows
+                        if w.saturated_s < self.learner.config.saturated_frac * w.seconds)
+            if not moved:
+                break
+        for record in self.measured.values():
+            if record.underserved_spans and self.guard.enabled:
+                record.distrusted = True  # it underserved before the window: the model is wrong about it
+                self.verifying = True
+        self._refresh()
+
+    def observe(self, span: SpanRecord, current: Decision | None) -> SpanOutcome:
+        """Learn from the span that just ended under `current` (its replica windows, arrivals and completions)."""
+        if current is None or not current.deployment.replicas:
+            learned = sum(self.learner.observe(w) for w in span.windows)
+            self._refresh()
+            self.last = SpanOutcome(learned=learned, backlog_growth=span.waiting_growth)
+            return self.last
+        weights = current.weights if current.label not in ("static",) else None
+        self.last = self._record(current.deployment, weights, span)
+        self._refresh()
+        return self.last
+
+    def _refresh(self) -> None:
+        self.correction = self.learner.correction()
+        self.planner = self._planner_for(self.correction)
+
+    def _record(self, deployment: Deployment, weights, span: SpanRecord) -> SpanOutcome:
+        cfg = self.guard
+        planned = self._planned_utilisation(deployment, weights) if weights is not None else None
+        sat_frac = self.learner.config.saturated_frac
+        learned = sum(self.learner.observe(w) for w in span.windows)
+        saturated = [w for w in span.windows if w.saturated_s >= sat_frac * w.seconds]
+        shapes = [r.shape for r in deployment.replicas]
+        early = 0
+        for w in span.windows:
+            ks = [i for i, s in enumerate(shapes) if s == w.shape]
+            if not ks:
+                continue
+            loaded = planned is not None and all(planned[k] > cfg.planned_utilisation for k in ks)
+            if w in saturated and not loaded:
+                early += 1
+            elif not loaded and w.tpot_s > cfg.tpot_factor * self._expected_tbt(deployment, weights, ks[0], span):
+                early += 1
+        growth = span.waiting_growth
+        underserved = early > 0 or growth > cfg.backlog_frac * max(span.arrivals, 1.0)
+        record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
+        record.spans += 1
+        if underserved:
+            record.underserved_spans += 1
+            record.best_full_rps = max(record.best_full_rps, span.completions / span.span_s)
+        elif span.arrivals > 0:
+            record.best_clean_demand_rps = max(record.best_clean_demand_rps, span.arrivals / span.span_s)
+        return SpanOutcome(underserved, len(saturated), growth, learned)
+
+    def _expected_tbt(self, deployment: Deployment, weights, k: int, span: SpanRecord) -> float:
+        """The time per output token the (learned) model expects of replica `k` at the load it was given:
+        its planned rates per class (`weights`), or, without a plan, its share of the span's arrivals
+        spread over the classes as the deployment's mean mix; at least the target's TBT / 4 (the model's
+        decode floor is not a promise)."""
+        table = self.ctx.table
+        shape = deployment.replicas[k].shape
+        k_classes = len(self.mix)
+        if weights is not None:
+            rates = np.array([weights[j][k] if j < len(weights) and k < len(weights[j]) else 0.0
+                              for j in range(k_classes)])
+        else:
+            rates = self.mix * span.arrivals / span.span_s / max(len(deployment.replicas), 1)
+        total = float(rates.sum())
+        if total <= 0:
+            return table.target.tbt_s
+        n = np.array([table.rate(shape, j) for j in range(k_classes)])
+        util = float(np.sum(rates / n))
+        tbt = sum(rates[j] / total * table.tbt_at(shape, j, util * n[j]) for j in range(k_classes) if rates[j] > 0)
+        return max(float(tbt), table.target.tbt_s / 4.0)
+
+    def _planned_utilisation(self, deployment: Deployment, weights) -> list[float]:
+        """Each replica's share of its (learned) capacity the decision's weights give it."""
+        rows = self.ctx.table.matrix(deployment.shapes())
+        out = []
+        for k in range(len(deployment.replicas)):
+            use = 0.0
+            for j, row in enumerate(weights):
+                if k < len(row) and rows[k][j] > 0:
+                    use += row[k] / rows[k][j]
+            out.append(use)
+        return out
+
+    def thin_evidence(self, deployment: Deployment) -> bool:
+        """Whether the posterior sd of the deployment's pairs is, on average, above the guard's bar."""
+        sds = [self.correction.sd.get((s, j), np.inf) for s in deployment.shapes() for j in range(len(self.mix))]
+        return not sds or float(np.mean(sds)) > self.guard.thin_sd
+
+    # --- planning ---------------------------------------------------------------------------------
+
+    def plan(self, rates_rps: np.ndarray, current: Decision | None, recent: ArrivalPattern | None,
+             span_s: float) -> Decision:
+        """The decision for the coming span (as `OServePlanner.plan`), with the learned capacity and the guard."""
+        rates = np.maximum(np.nan_to_num(np.asarray(rates_rps, dtype=float), nan=0.0, posinf=0.0), 0.0)
+        key = self.correction.key
+        if current is not None and current.scored_rps and self._scored_with != key:
+            current = replace(current, scored_rps=(), deferred_spans=0)  # rescore: the capacities changed
+        self._scored_with = key
+        demand = float(rates.sum())
+        if current is None:
+            decision = self.planner.plan(rates, None, recent, span_s)
+            if self.verifying and not self._may_move_to(decision.deployment, demand):
+                back = self._measured_best(None, demand)
+                if back is not None:  # caught wrong on the history: start from what was measured best
+                    a, n = served(self.ctx.table, back, rates)
+                    return Decision(back, weights_for(a, n), 0.0, tuple(float(r) for r in rates), "initial-measured",
+                                    scored_rps=tuple(float(r) for r in rates))
+            return decision
+        if self.guard.enabled and self.last.underserved and self.thin_evidence(current.deployment):
+            back = self._measured_best(current, demand)
+            if back is not None:
+                self.measured[deployment_key(current.deployment)].distrusted = True
+                self.verifying = True
+                self.guard_events += 1
+                return self._guard_switch(current, back, rates, span_s)
+        decision = self.planner.plan(rates, current, recent, span_s)
+        if decision.label == "switch" and not self._may_move_to(decision.deployment, demand):
+            a, n = served(self.ctx.table, current.deployment, rates)
+            return Decision(current.deployment, weights_for(a, n), 0.0, tuple(rates), "held",
+                            scored_rps=decision.scored_rps)
+        return decision
+
+    def _may_move_to(self, target: Deployment, demand: float) -> bool:
+        """Whether a switch the planner chose is allowed: never back to a distrusted deployment while its
+        evidence is thin; once verifying, only to one measured clean at the demand or pinned by evidence."""
+        rec = self.measured.get(deployment_key(target))
+        thin = self.thin_evidence(target)
+        if rec is not None and rec.distrusted and thin:
+            return False
+        if not self.verifying or not thin:
+            return True
+        return rec is not None and rec.best_clean_demand_rps >= self.guard.demand_frac * demand
+
+    def _measured_best(self, current: Decision | None, demand: float) -> Deployment | None:
+        """The deployment measured to serve best: the one that served the most demand cleanly (at least
+        `demand_frac` of `demand`; ties to the lowest P99 measured), else the one that finished the most
+        when full, if that beats the current one's by `full_gain`."""
+        here = deployment_key(current.deployment) if current is not None else None
+        cfg = self.guard
+        others = [r for k, r in self.measured.items() if k != here and not r.distrusted]
+        clean = [r for r in others if r.best_clean_demand_rps >= cfg.demand_frac * demand]
+        if clean:
+            return min(clean, key=lambda r: (r.p99_s, -r.best_clean_demand_rps)).deployment
+        mine = self.measured.get(here).best_full_rps if here in self.measured else 0.0
+        full = [r for r in others if r.best_full_rps > (1.0 + cfg.full_gain) * mine]
+        return max(full, key=lambda r: r.best_full_rps).deployment if full else None
+
+    def _guard_switch(self, current: Decision, target: Deployment, rates: np.ndarray, span_s: float) -> Decision:
+        ctx = self.ctx
+        placed = stabilize(current.deployment, target, ctx.cluster)
+        switch_s = 0.0
+        if not self.config.free_switching:
+            placed, switch_s = ctx.costs.gpu_to_gpu(ctx.model, ctx.cluster, current.deployment, placed)
+        a, n = served(ctx.table, placed, rates)
+        return Decision(placed, weights_for(a, n), switch_s, tuple(float(r) for r in rates), "guard",
+                        drain_retired=self.config.free_switching, scored_rps=tuple(float(r) for r in rates))
