@@ -182,3 +182,31 @@ def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: 
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title or "Every fixed deployment (red: some requests dropped)")
     return _save(plt, fig, path)
+
+
+def robustness(rows: list[dict], path: Path, title: str = "") -> Path:
+    """P99 of each policy per (scenario, injected error), relative to vllm-static (`oserve bench
+    robustness`): bars above 1 are slower than the static deployment; an unfinished request shows as a
+    hatched bar at the top."""
+    plt = _plt()
+    policies = ["oserve", "oserve-trusting", "oserve-true-table"]
+    labels = [f"{r['scenario']}\n{r['perturbation']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4))
+    width = 0.8 / len(policies)
+    top = 4.0
+    for i, name in enumerate(policies):
+        ratios = []
+        for r in rows:
+            ref, mine = r["results"]["vllm-static"], r["results"][name]
+            ratio = mine["p99_e2e_s"] / ref["p99_e2e_s"] if ref["p99_e2e_s"] and np.isfinite(ref["p99_e2e_s"]) else np.nan
+            ratios.append(min(ratio, top) if np.isfinite(ratio) else top)
+        x = np.arange(len(rows)) + (i - (len(policies) - 1) / 2) * width
+        ax.bar(x, ratios, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(rows)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("P99 / vllm-static's P99 (capped at 4)")
+    ax.set_ylim(0, top * 1.05)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(plt, fig, path)

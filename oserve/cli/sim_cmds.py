@@ -590,3 +590,73 @@ def bench_uncertainty(
     out_console().print(compact(t))
     for s in skipped:
         out_console().print(f"{s['name']}: skipped ({s['reason']})")
+
+
+@bench_app.command("robustness")
+def bench_robustness(
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
+    scenarios: str = typer.Option("T2,S5,servegen-m-large", help="Comma-separated scenario names."),
+    perturbations: str = typer.Option("all", help="Comma-separated injected errors "
+                                                  "(`oserve.evaluation.robustness.PERTURBATIONS`), or all."),
+    minutes: float = typer.Option(30.0, help="Length of each window."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Path = typer.Option(None, help="Write robustness.json and robustness.png here."),
+) -> None:
+    """OServe when the engines are not what its capacity model says: for each injected error, static, OServe
+    learning its capacity, OServe trusting the model's table and OServe told the true table, on the same
+    window; and how far the learned table is from the true one (`oserve.evaluation.robustness`)."""
+    from oserve.errors import UnknownNameError
+    from oserve.evaluation.robustness import PERTURBATIONS, run_robustness
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    names = list(PERTURBATIONS) if perturbations.strip() == "all" else \
+        [p.strip() for p in perturbations.split(",") if p.strip()]
+    for p in names:
+        if p not in PERTURBATIONS:
+            raise UnknownNameError("perturbation", p, tuple(PERTURBATIONS))
+    spec, cluster = model_preset(model), cluster_for_gpus(gpus)
+    num_scenarios = len([n for n in scenarios.split(",") if n.strip()])
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    rows, skipped = [], []
+    with _progress(console) as bar:
+        task = bar.add_task("robustness", total=num_scenarios * len(names) * 4)
+        for name, scenario in _built_scenarios(scenarios, spec, cluster, load, minutes, skipped):
+            for p in names:
+                row = run_robustness(spec, cluster, scenario, PERTURBATIONS[p],
+                                     progress=lambda what: bar.update(task, advance=1, description=what))
+                rows.append({"scenario": row.scenario, "perturbation": row.perturbation,
+                             "description": PERTURBATIONS[p].description, "results": row.results,
+                             "learned_error": row.learned_error, "model_error": row.model_error,
+                             "pairs": row.pairs, "guard_events": row.guard_events, "table": row.table})
+        bar.update(task, completed=num_scenarios * len(names) * 4)
+    never_worse = all(r["results"]["oserve"]["finished"] >= r["results"]["vllm-static"]["finished"] for r in rows)
+    result = {"model": model, "gpus": gpus, "load": load, "minutes": minutes, "rows": rows, "skipped": skipped,
+              "oserve_finishes_at_least_static": never_worse, "seconds": time.perf_counter() - start}
+    if out is not None:
+        _save_report(out, "robustness", result,
+                     lambda report: report.robustness(rows, out / "robustness.png",
+                                                      f"{model} on {gpus} GPUs, engines unlike the model"))
+    if json_out:
+        typer.echo(json.dumps(_json_safe(result), indent=2))
+        return
+    t = Table(title="P99 (s) and finished when the engines are not what the model says")
+    t.caption = ("learn: OServe learning its capacity; trust: OServe trusting the model's table; true: told the "
+                 "true table; err: learned (model) table's mean error on the pairs it has evidence on")
+    for col in ("scenario", "error", "static", "learn", "trust", "true", "err"):
+        t.add_column(col, justify="left" if col in ("scenario", "error") else "right")
+    for r in rows:
+        res = r["results"]
+
+        def cell(n: str) -> str:
+            v = res[n]
+            mark = "" if v["finished"] == v["admitted"] else f" ({v['admitted'] - v['finished']} lost)"
+            return f"{_fmt(v['p99_e2e_s'])}{mark}"
+        err = "-" if not r["pairs"] else f"{r['learned_error']:.2f} ({r['model_error']:.2f})"
+        t.add_row(r["scenario"], r["perturbation"], cell("vllm-static"), cell("oserve"), cell("oserve-trusting"),
+                  cell("oserve-true-table"), err)
+    out_console().print(compact(t))
+    for s in skipped:
+        out_console().print(f"{s['name']}: skipped ({s['reason']})")

@@ -76,6 +76,8 @@ class RobustnessRow:
     pairs: int
     table: list[dict]
     """The learned table's rows (model, learned and true capacity per shape and class)."""
+    guard_events: int = 0
+    """Times OServe's guard moved it back to the deployment measured to serve best."""
 
 
 def _summary(r: SimResult) -> dict:
@@ -129,7 +131,8 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
         model_errs.append(abs(row["model_rps"] / row["true_rps"] - 1.0))
     return RobustnessRow(scenario.name, perturbation.name, results,
                          float(np.mean(errs)) if errs else math.nan,
-                         float(np.mean(model_errs)) if model_errs else math.nan, len(rows), rows)
+                         float(np.mean(model_errs)) if model_errs else math.nan, len(rows), rows,
+                         learning.adaptive.guard_events)
 
 
 def _parse_shape(text: str) -> ReplicaShape:

@@ -70,6 +70,8 @@ class LearnerConfig:
     """Published scales are rounded to steps of this in log (about 5%)."""
     mix_quantum: float = 0.05
     """A window's class mix is rounded to this before its full-replica rate is simulated (and cached)."""
+    probe_batches: int = 6
+    """A full-replica probe queues this many batches' worth of requests (`saturated_rate`)."""
     scale_bounds: tuple[float, float] = (0.2, 8.0)
 
     def __post_init__(self) -> None:
@@ -77,7 +79,7 @@ class LearnerConfig:
             raise ConfigError(f"LearnerConfig: prior_sd_parts must be four values > 0, got {self.prior_sd_parts}")
         if not self.noise_frac > 0 or not 0 < self.saturated_frac <= 1:
             raise ConfigError(f"LearnerConfig: noise_frac must be > 0, saturated_frac in (0, 1]: {self}")
-        if self.min_completions < 1 or not self.quantum > 0 or self.unsaturated_slack < 0:
+        if self.min_completions < 1 or not self.quantum > 0 or self.unsaturated_slack < 0 or self.probe_batches < 2:
             raise ConfigError(f"LearnerConfig: min_completions >= 1, quantum > 0, unsaturated_slack >= 0: {self}")
         lo, hi = self.scale_bounds
         if not 0 < lo < 1 < hi:
@@ -189,7 +191,8 @@ class CapacityLearner:
         key = (shape, mix)
         rate = self._saturated.get(key)
         if rate is None:
-            rate = self._saturated[key] = saturated_rate(self.table, shape, np.maximum(np.array(mix, float), 0) + 1e-9)
+            rate = self._saturated[key] = saturated_rate(self.table, shape, np.maximum(np.array(mix, float), 0) + 1e-9,
+                                                         self.config.probe_batches)
         return pure * (float(c.sum()) / rate) / float(pure.sum())
 
     def saturated_rates(self, shape: ReplicaShape) -> np.ndarray:
@@ -199,7 +202,8 @@ class CapacityLearner:
         for j in range(self.k):
             hit = self._saturated.get((shape, j))
             if hit is None:
-                hit = self._saturated[(shape, j)] = saturated_rate(self.table, shape, np.eye(self.k)[j])
+                hit = self._saturated[(shape, j)] = saturated_rate(self.table, shape, np.eye(self.k)[j],
+                                                                   self.config.probe_batches)
             out.append(hit)
         return np.array(out)
 

@@ -1,0 +1,209 @@
+"""Capacity learned online (`oserve.planner.learned`) and the planner that uses it (`oserve.planner.adaptive`):
+the estimator's invariants as properties, the simulator's telemetry it learns from, and the loop finding an
+error injected on purpose."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oserve.capacity import CapacityTable, CorrectedTable, FixedLengths, LatencyTarget
+from oserve.errors import ConfigError
+from oserve.perfmodel import PerfModel, ScaledPerf
+from oserve.planner.learned import (CapacityLearner, LearnerConfig, ReplicaWindow, prior_covariance,
+                                    saturated_rate)
+from oserve.specs import ReplicaShape, cluster_for_gpus, model_preset
+
+MODEL = model_preset("llama2-70b")
+CLUSTER = cluster_for_gpus(16)
+TYPES = FixedLengths(("short", "long"), ((200, 300, 250), (1500, 2500, 2000)), ((100, 200, 150), (300, 500, 400)))
+TABLE = CapacityTable(MODEL, CLUSTER.gpu, TYPES, gpus_per_node=8)
+SHAPES = (ReplicaShape(4), ReplicaShape(8), ReplicaShape(4, 2))
+
+
+FAST = LearnerConfig(probe_batches=2)
+
+
+def learner(config: LearnerConfig = FAST) -> CapacityLearner:
+    return CapacityLearner(TABLE, SHAPES, config)
+
+
+def consistent_window(lrn: CapacityLearner, shape: ReplicaShape, counts: tuple[float, ...],
+                      truth: np.ndarray) -> ReplicaWindow:
+    """A saturated span whose length is what the work of `counts` takes at the true time scales."""
+    seconds = float(lrn.work(shape, counts) @ truth)
+    return ReplicaWindow(shape, counts, seconds, seconds, after_saturated=True)
+
+
+def test_no_evidence_is_the_prior():
+    lrn = learner()
+    for s in SHAPES:
+        assert np.array_equal(lrn.mean(s), np.ones(2))
+    corr = lrn.correction()
+    assert corr.scales == {} and lrn.corrected_table(corr) is TABLE
+
+
+def test_saturated_rate_matches_the_capacity_model_at_full_batch():
+    """The probe (a full simulated engine) agrees with the capacity model's rate without a latency bound
+    within 10% (the model's steady state vs the engine's steps), and a 2x slower engine serves half."""
+    full = CapacityTable(MODEL, CLUSTER.gpu, TYPES, gpus_per_node=8, target=LatencyTarget(tbt_s=1e9))
+    slow = CapacityTable(MODEL, CLUSTER.gpu, TYPES, gpus_per_node=8,
+                         perf=ScaledPerf(PerfModel(MODEL, CLUSTER.gpu, gpus_per_node=8), default=(2.0, 1.0)))
+    for j in range(2):
+        probe = saturated_rate(TABLE, ReplicaShape(4), np.eye(2)[j])
+        assert probe == pytest.approx(full.rate(ReplicaShape(4), j), rel=0.1)
+        assert saturated_rate(slow, ReplicaShape(4), np.eye(2)[j]) == pytest.approx(probe / 2, rel=0.02)
+
+
+MIXES = ((40.0, 0.0), (0.0, 40.0), (20.0, 20.0), (30.0, 10.0), (4.0, 1.0), (2.0, 2.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(truth=st.lists(st.floats(0.4, 3.0), min_size=2, max_size=2),
+       order=st.lists(st.sampled_from(MIXES), min_size=1, max_size=8), noise=st.sampled_from((0.05, 0.25)))
+def test_more_evidence_is_never_further_from_the_truth(truth, order, noise):
+    """With consistent observations the error in the posterior's own metric never grows (each Bayesian
+    update contracts it), so the error in the prior's metric never exceeds where it started."""
+    lrn = learner(LearnerConfig(noise_frac=noise, probe_batches=2))
+    shape = SHAPES[0]
+    full_truth = np.ones(len(SHAPES) * 2)
+    full_truth[:2] = truth
+    prec0 = np.linalg.inv(prior_covariance(len(SHAPES), 2, lrn.config))
+
+    def errors() -> tuple[float, float]:
+        e = lrn._mean - full_truth
+        return float(e @ np.linalg.inv(lrn._cov) @ e), float(e @ prec0 @ e)
+
+    before, start = errors()
+    for c in order:
+        lrn.observe(consistent_window(lrn, shape, c, np.asarray(truth)))
+        now, in_prior = errors()
+        assert now <= before * (1 + 1e-6) + 1e-9
+        assert in_prior <= start * (1 + 1e-6) + 1e-9
+        before = now
+
+
+def test_diverse_evidence_converges_to_the_truth():
+    lrn = learner(LearnerConfig(noise_frac=0.05, probe_batches=2))
+    truth = np.array([2.0, 1.5])
+    for _ in range(30):
+        for c in ((50.0, 5.0), (5.0, 50.0), (30.0, 30.0)):
+            lrn.observe(consistent_window(lrn, SHAPES[1], c, truth))
+    assert lrn.mean(SHAPES[1]) == pytest.approx(truth, rel=0.05)
+    assert lrn.sd(SHAPES[1]).max() < 0.1
+    # the other shapes moved towards it only as far as they share its error (the prior's common part)
+    assert 1.0 < lrn.mean(SHAPES[0]).mean() < lrn.mean(SHAPES[1]).mean()
+
+
+def test_one_scalar_class_moves_monotonically_closer():
+    one = FixedLengths(("only",), ((500, 700),), ((200, 300),))
+    lrn = CapacityLearner(CapacityTable(MODEL, CLUSTER.gpu, one, gpus_per_node=8), (ReplicaShape(4),),
+                          LearnerConfig(noise_frac=0.05, probe_batches=2))
+    truth = np.array([1.8])
+    gaps = []
+    for n in (10.0, 40.0, 20.0, 80.0):
+        lrn.observe(consistent_window(lrn, ReplicaShape(4), (n,), truth))
+        gaps.append(abs(lrn.mean(ReplicaShape(4))[0] - 1.8))
+    assert all(b <= a + 1e-12 for a, b in zip(gaps, gaps[1:])) and gaps[-1] < 0.2
+
+
+def test_spans_that_are_not_measurements_teach_nothing():
+    lrn = learner()
+    s = SHAPES[0]
+    # the onset of a saturation, too few completions, and a replica with time to spare
+    assert not lrn.observe(ReplicaWindow(s, (40.0, 10.0), 60.0, 60.0, after_saturated=False))
+    assert not lrn.observe(ReplicaWindow(s, (1.0, 0.0), 60.0, 60.0))
+    assert not lrn.observe(ReplicaWindow(s, (1.0, 3.0), 60.0, 0.0))
+    assert lrn.correction().scales == {}
+
+
+def test_an_unsaturated_replica_that_served_more_than_believed_lowers_the_estimate():
+    lrn = learner()
+    s = SHAPES[0]
+    a = lrn.work(s, (100.0, 20.0)).sum()  # model seconds of that work
+    assert lrn.observe(ReplicaWindow(s, (100.0, 20.0), a / 2.0, 0.0))  # done in half the time, queue empty
+    assert lrn.mean(s).max() < 1.0
+
+
+def test_corrected_table_is_the_capacity_model_on_a_stretched_engine():
+    corrected = CorrectedTable(MODEL, CLUSTER.gpu, TYPES, gpus_per_node=8, time_scales={(ReplicaShape(4), 1): 2.0})
+    slow = CapacityTable(MODEL, CLUSTER.gpu, TYPES, gpus_per_node=8,
+                         perf=ScaledPerf(PerfModel(MODEL, CLUSTER.gpu, gpus_per_node=8), {ReplicaShape(4): (2.0, 1.0)}))
+    assert corrected.rate(ReplicaShape(4), 1) == pytest.approx(slow.rate(ReplicaShape(4), 1))
+    assert corrected.rate(ReplicaShape(4), 0) == pytest.approx(TABLE.rate(ReplicaShape(4), 0))
+    # the TBT target binds at a smaller batch: the rate falls by at least the time scale
+    assert corrected.rate(ReplicaShape(4), 1) <= TABLE.rate(ReplicaShape(4), 1) / 2.0 + 1e-9
+
+
+def test_state_survives_a_round_trip_and_refuses_another_prior():
+    lrn = learner()
+    lrn.observe(consistent_window(lrn, SHAPES[2], (30.0, 10.0), np.array([1.7, 1.7])))
+    state = lrn.to_dict()
+    again = learner()
+    again.load_dict(state)
+    assert again.to_dict() == state and again.correction().scales == lrn.correction().scales
+    other = CapacityLearner(CapacityTable(MODEL, CLUSTER.gpu, FixedLengths(("a", "b"), ((10,), (20,)), ((5,), (6,))),
+                                          gpus_per_node=8), SHAPES, FAST)
+    with pytest.raises(ConfigError, match="classes"):
+        other.load_dict(state)
+    with pytest.raises(ConfigError):
+        again.load_dict({**state, "mean": [math.nan] * len(state["mean"])})
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError):
+        LearnerConfig(saturated_frac=0.0)
+    with pytest.raises(ConfigError):
+        LearnerConfig(prior_sd_parts=(0.1, 0.1, 0.0, 0.1))
+    with pytest.raises(ConfigError):
+        ReplicaWindow(SHAPES[0], (1.0, 1.0), 0.0, 0.0)
+
+
+# --- the loop in the simulator --------------------------------------------------------------------------
+
+
+def test_the_simulator_shows_policies_replica_counters_and_who_finished_what():
+    from oserve.evaluation.policies import MeasuringStaticPolicy, Telemetry
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.planner.prior import fit_prior
+    from oserve.sim.kernel import SimConfig, simulate
+    from oserve.traces import Trace
+
+    rng = np.random.default_rng(0)
+    n = 8000
+    arrival = np.sort(rng.random(n) * 300.0)
+    trace = Trace(arrival, rng.integers(500, 2500, n), rng.integers(300, 900, n), name="burst")
+    prior = fit_prior(trace.slice_time(0.0, 120.0), MODEL, CLUSTER, duration_s=120.0)
+    dep = homogeneous_deployment(CLUSTER, ReplicaShape(8))  # 2 replicas, far too few for 27 requests/s of these
+    policy = MeasuringStaticPolicy(dep, prior.fresh_estimator())
+    simulate(MODEL, CLUSTER.gpu, CLUSTER, trace, policy, SimConfig(span_s=60.0))
+    assert len(policy.spans) >= 3
+    later = policy.spans[-1]
+    assert len(later.windows) == 2 and all(w.shape == ReplicaShape(8) for w in later.windows)
+    assert all(w.saturated_s > 0.9 * w.seconds and w.after_saturated for w in later.windows)
+    assert sum(sum(w.completed) for w in later.windows) == later.completions > 0
+    assert later.waiting_growth > 0.3 * later.arrivals  # what it could not finish waits
+    assert all(0 < w.tpot_s < 1.0 for w in later.windows)
+    assert isinstance(Telemetry(4), Telemetry)
+
+
+@pytest.mark.slow
+def test_the_loop_finds_an_injected_error_and_stays_with_static():
+    """Pipeline-parallel shapes 2x slower than the model believes (S5, 10 minutes): trusting the table
+    OServe's P99 is several times static's; learning it is within noise of static and of OServe told
+    the true table, finishes as many, and its learned table is closer to the truth than the model."""
+    from oserve.evaluation.robustness import PERTURBATIONS, run_robustness
+    from oserve.evaluation.scenarios import build_scenario
+
+    scenario = build_scenario("S5", MODEL, CLUSTER, load=0.8, minutes=10.0)
+    row = run_robustness(MODEL, CLUSTER, scenario, PERTURBATIONS["pp-x0.5"])
+    r = row.results
+    assert r["oserve"]["finished"] >= r["vllm-static"]["finished"] == r["vllm-static"]["admitted"]
+    assert r["oserve"]["p99_e2e_s"] <= 1.1 * r["vllm-static"]["p99_e2e_s"]
+    assert r["oserve"]["p99_e2e_s"] <= 1.1 * r["oserve-true-table"]["p99_e2e_s"]
+    assert r["oserve-trusting"]["p99_e2e_s"] > 2.0 * r["oserve"]["p99_e2e_s"]
+    assert row.pairs > 0 and row.learned_error < 0.5 * row.model_error
