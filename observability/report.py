@@ -210,3 +210,30 @@ def robustness(rows: list[dict], path: Path, title: str = "") -> Path:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     return _save(plt, fig, path)
+
+
+def learned_tables(rows: list[dict], path: Path, title: str = "") -> Path:
+    """The capacity of every (shape, class) pair OServe's learner has evidence on, model's and learned,
+    against the true one (`oserve bench robustness`: one point per pair and run; on the diagonal is right)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    model_x, model_y, learned_x, learned_y = [], [], [], []
+    for r in rows:
+        for t in r.get("table", []):
+            model_x.append(t["true_rps"])
+            model_y.append(t["model_rps"])
+            learned_x.append(t["true_rps"])
+            learned_y.append(t["learned_rps"])
+    ax.scatter(model_x, model_y, s=12, marker="x", label="model (prior)")
+    ax.scatter(learned_x, learned_y, s=12, marker="o", facecolors="none", edgecolors="C1", label="learned")
+    values = [v for v in model_x + model_y + learned_y if v > 0]
+    if values:
+        lo, hi = min(values) / 1.5, max(values) * 1.5
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("true capacity (requests/s, the capacity model on the true engine)")
+    ax.set_ylabel("believed capacity (requests/s)")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(plt, fig, path)

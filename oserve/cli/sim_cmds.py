@@ -636,9 +636,10 @@ def bench_robustness(
     result = {"model": model, "gpus": gpus, "load": load, "minutes": minutes, "rows": rows, "skipped": skipped,
               "oserve_finishes_at_least_static": never_worse, "seconds": time.perf_counter() - start}
     if out is not None:
-        _save_report(out, "robustness", result,
-                     lambda report: report.robustness(rows, out / "robustness.png",
-                                                      f"{model} on {gpus} GPUs, engines unlike the model"))
+        def plots(report) -> None:
+            report.robustness(rows, out / "robustness.png", f"{model} on {gpus} GPUs, engines unlike the model")
+            report.learned_tables(rows, out / "learned_capacity.png", "OServe's learned capacity against the truth")
+        _save_report(out, "robustness", result, plots)
     if json_out:
         typer.echo(json.dumps(_json_safe(result), indent=2))
         return

@@ -90,7 +90,6 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
                    config: EvalConfig = EvalConfig(bound=False),
                    progress: Callable[[str], None] | None = None) -> RobustnessRow:
     """The four runs of the module docstring for one scenario and one injected error."""
-    base = _perf(model, cluster)
     shapes = valid_shapes(model, cluster.gpu, cluster.gpus_per_node, cluster.num_gpus, MemoryConfig())
     truth = perturbation.engine(model, cluster, shapes)
     cfg = replace(config, engine=truth, bound=False)

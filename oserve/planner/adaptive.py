@@ -1,28 +1,42 @@
 """OServe's planner with its capacity learned online and a guard against its own model. Pure.
 
 `SelfCorrectingPlanner` wraps `OServePlanner` for both callers (the simulator's OServe policy and the
-live scheduler worker): each span it is told what every replica did (`oserve.planner.learned.
-ReplicaWindow`s, from the engines' counters), and then plans.
+live scheduler worker): each span it is told what every replica did (a `SpanRecord` of
+`oserve.planner.learned.ReplicaWindow`s, from the engines' counters), and then plans.
 
 - **Learned capacity.** The windows update the `CapacityLearner`; the planner in force is the one built
   for the rounded correction (the corrected capacity table, and a twin whose engine runs each shape at
   its learned speed), rebuilt only when the correction moves by a rounding step. When it moves, the
   decision in force is rescored at once, whatever the forecast did: the capacities it was scored with
   are no longer believed.
-- **The guard.** A deployment *underserves* in a span when one of its replicas was saturated through
-  the span (requests waited: it could not take what it was sent) although the plan gave it at most
-  `guard_planned_utilisation` of its capacity, or when the requests in the system grew by more than
-  `guard_backlog_frac` of the span's arrivals. Every deployment that ran is remembered with the
-  highest demand it served in a span without underserving. When the deployment in force underserved
-  and the evidence on its pairs is still thin (posterior sd above `guard_thin_sd`), the planner returns
-  to the deployment measured to serve the most (one that served at least `guard_demand_frac` of the
-  forecast demand cleanly), switching at any cost ("guard"): the measured beats the modelled. With no
-  such deployment, or with firm evidence, it re-plans with the corrected capacities.
+- **Underserving.** A deployment underserves in a span when one of its replicas, given at most
+  `planned_utilisation` of its (learned) capacity by the plan, was saturated through the span (requests
+  waited: it could not take what it was sent) or finished its requests at more than `tpot_factor` times
+  the time per output token the model expects at that load (`CapacityTable.tbt_at`), or when the
+  requests waiting in its engines grew by more than `backlog_frac` of the span's arrivals.
+- **Measured deployments.** Every deployment that ran is remembered: its spans, the highest demand it
+  served without underserving, the most it finished per second when it underserved, and, for the runs
+  measured before the window (`seed`: the static candidates on the history, as an operator measures
+  them), its P99 there.
+- **The guard.** When the deployment in force underserved and the evidence on its pairs is thin
+  (posterior sd above `thin_sd`), the planner switches at any cost ("guard") to the deployment measured
+  to serve best: among those not distrusted, the one with the lowest measured P99 that served at least
+  `demand_frac` of the forecast demand cleanly; failing that, the one that finished the most when full,
+  if `full_gain` more than the one in force. The one it leaves is distrusted, and the planner starts
+  *verifying*: from then on it switches only to deployments measured clean at the demand or whose
+  capacity the evidence pins down, never back to a distrusted one while its evidence is thin
+  ("held" when it wanted to). A deployment that underserved on the history is distrusted before the
+  window starts; the first decision is then the measured best unless the planner's own passes that test
+  ("initial-measured").
+
+The thresholds were chosen on azure-conv (30 minutes) with the injected errors none, global-x0.5,
+pp-x0.5 and tp4-long-x0.5 (`oserve.evaluation.robustness`); `oserve bench robustness` reports on other
+scenarios, with the other errors too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 

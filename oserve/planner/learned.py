@@ -12,23 +12,28 @@ that decodes 2x slower meets the TBT target only at a smaller batch and loses mo
 
 **What is observed.** Per replica and span, from counters every engine reports (completions by class,
 and the seconds its steps ended with requests still waiting, `ReplicaStats.saturated_s`):
-- *Saturated* (requests waited through at least `saturated_frac` of the span): the replica served all it
-  could, so the work it finished filled the span. In the model's units each class-j completion costs
-  `1 / n_sat[k][j]` replica-seconds (`n_sat`: the rate at the largest batch the KV cache and the engine's
-  sequence limit allow, no latency target, as a full engine runs), which gives one linear observation
-  `sum_j c_j / n_sat[k][j] * u[k][j] = T` (T the span).
-- *Not saturated*: the replica finished what it was sent with time to spare, so `sum_j ... u[k][j] <= T`:
-  a one-sided observation, used only when the estimate breaks it (the engine is faster than believed).
+- *Saturated* (requests waited through at least `saturated_frac` of the span, and through the span before:
+  the first span of a saturation is skipped, its batch was still filling): the replica served all it
+  could, so the work it finished filled the span. In the model's units, finishing c_j requests of each
+  class j takes a full model replica `T_model(c)` seconds (`saturated_rate`: the simulated engine, on the
+  performance model, fed that mix with its queue never empty), shared among the classes as their
+  pure-class costs are: `a_j`. That gives one linear observation `sum_j a_j * u[k][j] = T` (T the span).
+- *Not saturated*: the replica finished what it was sent with time to spare, so `sum_j a_j u[k][j] <= T`:
+  a one-sided observation, used (as if saturated) only when the estimate breaks it by more than
+  `unsaturated_slack` (the engine is faster than believed).
 
-**The estimator.** Bayesian linear regression per shape (a Kalman filter on a constant state): prior
-`u ~ N(1, prior_sd^2 I)` (the model, trusted to about +-50%), each observation with noise sd
-`T * sqrt(noise_frac^2 + 1 / completions)` (boundary effects of requests in flight, and counting
-noise). The posterior mean is the estimate, its sd the confidence. No evidence: the prior exactly; more
-evidence: never further from the truth in the posterior's own metric (for consistent observations),
-shrinking towards the observations as their precision grows. Assumptions: the model's error for a
-(shape, class) is a time scale (the shapes of its cost curves are right); a span's completions stand for
-the work done in it; classes are those the gateway routes by (what each really contains is the prior's
-business, `FixedLengths.from_observed`).
+**The estimator.** Bayesian linear regression over every (shape, class) pair at once (a Kalman filter on
+a constant state). The prior is `u ~ N(1, S)`, S made of four parts (`prior_covariance`): an error
+common to all pairs (the GPU generation, the engine version), one per shape (its parallelism's costs),
+one per class across shapes (long contexts), one per pair; about +-50% on one pair. What one replica's
+mix reveals then moves the pairs it says nothing about as far as they are expected to share its error.
+Each observation has noise sd `T * sqrt(noise_frac^2 + 1 / completions)` (requests in flight at the
+span's ends, and counting noise). The posterior mean is the estimate, its sd the confidence. No
+evidence: the prior exactly; more evidence: never further from the truth in the posterior's own metric
+(for consistent observations), and never further than the prior was in the prior's metric.
+Assumptions: the model's error for a (shape, class) is a time scale (the shapes of its cost curves are
+right); a span's completions stand for the work done in it; classes are those the gateway routes by
+(what each really contains is the prior's business, `FixedLengths.from_observed`).
 
 Estimates are published rounded to `quantum` (log steps) so a planner built for them is reused until
 the evidence moves them by a step.
