@@ -8,8 +8,8 @@ Streams (file storage, so a NATS restart loses nothing):
   age and size bound, `StreamLimits.telemetry_max_age_s`, so a telemetry consumer reads recent history).
 The plans and telemetry streams allow direct get (`$JS.API.DIRECT.GET.<stream>`), so a read-only user
 (`oserve top`) reads their history without creating a consumer.
-The KV bucket holds the latest strategy under `Subjects.STRATEGY_KEY` and the assignment the routers
-follow under `Subjects.ASSIGNMENT_KEY`. The models object store (`ensure_model_store`) holds trained
+The KV bucket holds the latest strategy under `Subjects.STRATEGY_KEY`, the assignment the routers
+follow under `Subjects.ASSIGNMENT_KEY` and the scheduler's learned capacity under `Subjects.LEARNED_KEY`. The models object store (`ensure_model_store`) holds trained
 models, so a restarted worker reuses them instead of training again.
 """
 

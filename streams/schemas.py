@@ -289,6 +289,12 @@ class Heartbeat(_Msg, frozen=True, kw_only=True, tag="heartbeat.v1"):
     """KV blocks used plus demanded by the queue, over the replica's blocks: the load the router balances."""
     kv_capacity_tokens: int = 0
     """Tokens the replica's KV cache holds (0: unknown)."""
+    busy_s: Seconds = 0.0
+    """Seconds on the engine's clock, since the replica started, that it spent running steps (cumulative:
+    a consumer differences two heartbeats); 0 from an engine that does not count them."""
+    saturated_s: Seconds = 0.0
+    """Of those, the seconds of steps that ended with requests still waiting (cumulative): the replica could
+    not take all it was sent. The scheduler's learned capacity (`SelfCorrectingPlanner.observe`) reads it."""
     clock_epoch_unix_s: float = 0.0
     """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
     clock_speedup: float = 1.0
@@ -392,6 +398,16 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     """shares[j][replica_id]: the fraction of class j's requests the plan gives that replica, summing to 1
     over the replicas of each class (`weights[j]` normalised); `{}` for a class the plan gives no replica
     (no positive weight). Computed by the scheduler; empty from a producer older than this field."""
+    capacity_scales: list[list[float]] = []
+    """The learned capacity the decision was planned with: rows `[tp, pp, class_index, scale, sd]`, scale the
+    times longer than the performance model a replica of that shape takes per request of that class (1: the
+    model is right; `oserve.planner.learned`), sd its posterior sd; a row for every pair of a shape with
+    evidence and every pair whose scale moved. Empty when the planner does not learn (or has learned nothing)."""
+    guard_events: int = 0
+    """Times so far the planner's guard returned to a deployment measured to serve better than the one in force."""
+    underserved: bool = False
+    """The deployment in force underserved in the span that just closed (a replica saturated below its planned
+    load, or the queues grew): the guard's input."""
     clock_epoch_unix_s: float = 0.0
     """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
     clock_speedup: float = 1.0

@@ -108,10 +108,12 @@ class Subjects:
         """The object store of trained models (the forecaster stage's LSTM)."""
         return f"{self.prefix}_models"
 
-    # KV keys of the strategy bucket: the latest chosen strategy (deployment + weights), and the
-    # assignment the routers follow (written when a switch completes)
+    # KV keys of the strategy bucket: the latest chosen strategy (deployment + weights), the
+    # assignment the routers follow (written when a switch completes), and the scheduler's learned
+    # capacity (`CapacityLearner.to_dict()` as JSON, written after each decision)
     STRATEGY_KEY = "current"
     ASSIGNMENT_KEY = "assignment"
+    LEARNED_KEY = "learned"
     # object of the models bucket: the forecaster stage's trained LSTM with its class names
     FORECASTER_OBJECT = "forecaster-lstm"
 

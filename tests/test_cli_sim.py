@@ -89,6 +89,10 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
         assert summary["forecaster_in_force"] in ("last_value", "lstm", "last_span")
         assert summary["spans"] and all(sp["forecaster"] for sp in summary["spans"])
         assert summary["decide_wall_s"]["budget"] > 0 and "initial" in summary["decisions"]
+        # the scheduler's learned capacity for the final deployment's shapes (the model's where nothing taught it)
+        learned = summary["learned_capacity"]
+        assert learned and all(row["learned_rps"] > 0 and row["scale"] > 0 for row in learned)
+        assert summary["learned_windows"] >= 0 and summary["learned_max_scale_dev"] >= 0
         spans = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
         services = {a["value"]["stringValue"] for line in spans for rs in line["resourceSpans"]
                     for a in rs["resource"]["attributes"] if a["key"] == "service.name"}

@@ -87,6 +87,10 @@ class Load:
     kv_capacity_tokens: int = 0
     kv_usage_frac: float = 0.0
     """KV blocks in use over all blocks, in [0, 1] (vLLM's `kv_cache_usage_perc`)."""
+    busy_s: float = 0.0
+    """Cumulative clock seconds of steps run since the replica started (0: not counted)."""
+    saturated_s: float = 0.0
+    """Cumulative clock seconds of steps that ended with requests still waiting (0: not counted)."""
 
 
 class Backend(Protocol):
@@ -217,4 +221,5 @@ class SimBackend:
     def load(self) -> Load:
         rep = self.replica
         return Load(len(rep.waiting), rep.num_running, rep.kv_load_frac(), rep.total_blocks * rep.block_tokens,
-                    kv_usage_frac=(rep.total_blocks - rep.free_blocks) / rep.total_blocks)
+                    kv_usage_frac=(rep.total_blocks - rep.free_blocks) / rep.total_blocks, busy_s=rep.busy_s,
+                    saturated_s=rep.saturated_s)

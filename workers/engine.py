@@ -13,8 +13,9 @@
   in `Completed.released` (no numbers), so the gateway forgets them too.
 - `stop()` is as good as a crash (the gateway re-dispatches); `fail_inflight()` after it answers what
   was left with `shutting_down` errors instead (an engine host's orderly stop).
-- Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`; load and latency as `Telemetry` every
-  `telemetry_interval_s` of clock time.
+- Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`, with the load and the backend's cumulative
+  busy and saturated seconds (what the scheduler learns capacity from); load and latency as `Telemetry`
+  every `telemetry_interval_s` of clock time.
 - Streaming (`Dispatch.stream`): `ReplyChunk`s go to the reply inbox as the backend produces tokens (the
   first as soon as a step end shows it, then at most one per `stream_interval_s` of clock time, and the
   rest just before the final `Reply`, which carries the whole text and alone ends the answer). Only the
@@ -451,7 +452,8 @@ class EngineWorker(Worker):
         await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
             replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,
             num_running=load.num_running, accepting=self._accepting, kv_load_frac=load.kv_load_frac,
-            kv_capacity_tokens=load.kv_capacity_tokens, **self.clock.stamp())))
+            kv_capacity_tokens=load.kv_capacity_tokens, busy_s=load.busy_s, saturated_s=load.saturated_s,
+            **self.clock.stamp())))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -5,11 +5,19 @@ with the forecast's rates, the decision in force and the arrivals the gateway sa
 just closed (read from its `Arrived` events: offsets and classes, never output lengths). The decision
 goes to the strategy KV bucket (so a restarted scheduler resumes from the deployment in force) and out
 as a `StrategyChosen` event. Planning runs in a thread: the event loop keeps serving meanwhile.
+
+With a `SelfCorrectingPlanner` (one that has `observe`) the scheduler also learns capacity, as the
+simulator's OServe policy does: it keeps each replica's latest `Heartbeat` and the `Completed` events, and
+at each forecast event, before planning, tells the planner what every replica of the decision in force
+did in the span that closed (`oserve.workers.span_telemetry.span_record`). The learner's state goes to the
+strategy bucket after each decision (`Subjects.LEARNED_KEY`), so a restarted scheduler resumes with it,
+and each strategy event carries the learned capacity it was planned with (`StrategyChosen.capacity_scales`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -28,14 +36,18 @@ from oserve.defaults import SPAN_S
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name
+from oserve.planner.adaptive import SelfCorrectingPlanner, SpanRecord
+from oserve.planner.learned import Correction
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import ArrivalPattern
 from oserve.specs import Deployment, Replica, ReplicaShape
-from oserve.streams.schemas import Arrived, ForecastMade, ReplicaSpec, StrategyChosen, decode, encode
+from oserve.streams.schemas import (Arrived, Completed, Completion, ForecastMade, Heartbeat, ReplicaSpec,
+                                    StrategyChosen, decode, encode)
 from oserve.streams.subjects import Subjects
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
+from oserve.workers.span_telemetry import ReplicaCounters, snapshot, span_record
 
 log = logging.getLogger(__name__)
 MSG_ID = "Nats-Msg-Id"  # JetStream stores a message once per id within the stream's duplicate window
@@ -65,6 +77,16 @@ def strategy_from_decision(decision: Decision, strategy_id: str, span_index: int
         switch_s=float(decision.switch_s), forecast_rps=[float(x) for x in decision.forecast_rps],
         label=decision.label, scored_rps=[float(x) for x in decision.scored_rps],
         deferred_spans=decision.deferred_spans, decide_wall_s=decide_wall_s, budget_wall_s=budget_wall_s)
+
+
+def capacity_rows(correction: Correction) -> list[list[float]]:
+    """The bus form of a learned correction (`StrategyChosen.capacity_scales`): `[tp, pp, class_index, scale,
+    sd]` for every pair of a shape with evidence and every pair whose (rounded) scale is not 1, by shape and
+    class. Pure."""
+    pairs = {p for p in correction.sd if correction.windows.get(p[0], 0) > 0} | set(correction.scales)
+    return [[float(shape.tp), float(shape.pp), float(j), float(correction.scales.get((shape, j), 1.0)),
+             float(correction.sd[(shape, j)])]
+            for shape, j in sorted(pairs, key=lambda p: (p[0].tp, p[0].pp, p[1])) if (shape, j) in correction.sd]
 
 
 def decision_from_strategy(s: StrategyChosen) -> Decision:
@@ -101,13 +123,13 @@ class SchedulerConfig:
 
 
 class SchedulerWorker(Worker):
-    """Forecast events -> strategy events (and the KV bucket), by `OServePlanner.plan`."""
+    """Forecast events -> strategy events (and the KV bucket), by the planner's `plan` (module docstring)."""
 
     name = "scheduler"
 
     def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock,
-                 planner: OServePlanner | StaticPlanner, initial_rps: np.ndarray, *, tracer: Tracer | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 planner: SelfCorrectingPlanner | OServePlanner | StaticPlanner, initial_rps: np.ndarray, *,
+                 tracer: Tracer | None = None, metrics: Metrics | None = None) -> None:
         super().__init__()
         self.nc, self.kv, self.config, self.clock, self.planner, self.tracer = nc, kv, config, clock, planner, tracer
         self.metrics = metrics
@@ -119,17 +141,32 @@ class SchedulerWorker(Worker):
         self.current: Decision | None = None
         self.strategies: list[StrategyChosen] = []
         self.decide_s: list[float] = []
-        """Wall seconds each plan took."""
+        """Wall seconds each decision took (learning from the span that closed, then planning)."""
         self.num_over_budget = 0
         """Decisions (after the first, made before serving) that took longer than the budget."""
         self._arrivals: dict[int, list[tuple[float, int]]] = {}  # span index -> (offset_s, class) seen so far
+        self.learning = isinstance(planner, SelfCorrectingPlanner)
+        """The planner learns capacity (it has `observe`): the worker reads heartbeats and completions."""
+        self.records: list[SpanRecord] = []
+        """What each span showed, as the planner was told it (learning only)."""
+        self.heartbeats: dict[str, Heartbeat] = {}
+        """replica id -> its latest heartbeat (learning only; a replica not in the decision in force is forgotten
+        at the next forecast event)."""
+        self._counters: dict[str, ReplicaCounters] = {}  # replica id -> counters at the last forecast event
+        self._saturated: frozenset[str] = frozenset()  # replica ids saturated through the last span
+        self._completions: list[Completion] = []  # finished after their replica's heartbeat at the last snapshot
+        self._num_completed: dict[int, int] = {}  # span index -> completions that finished in it
         self._lock = asyncio.Lock()
         self._run_id = uuid.uuid4().hex[:12]  # message ids are unique per run of this worker
 
     async def _subscribe(self) -> list:
         s = self.config.subjects
-        return [await self.nc.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived)),
-                await self.nc.subscribe(s.plan_event("forecast"), cb=self.typed(ForecastMade, self._on_forecast))]
+        subs = [await self.nc.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived))]
+        if self.learning:
+            subs += [await self.nc.subscribe(s.heartbeats(), cb=self.typed(Heartbeat, self._on_heartbeat)),
+                     await self.nc.subscribe(s.completions(), cb=self.typed(Completed, self._on_completed))]
+        forecasts = await self.nc.subscribe(s.plan_event("forecast"), cb=self.typed(ForecastMade, self._on_forecast))
+        return [*subs, forecasts]
 
     async def start(self) -> None:
         if self._state != "new":
@@ -142,9 +179,72 @@ class SchedulerWorker(Worker):
             self.strategies.append(s)
         except KeyNotFoundError:
             pass
+        if self.learning:
+            await asyncio.to_thread(self._warm_learner)
+            await self._load_learned()
         await super().start()
         if self.current is None:
             await self._decide(-1, self.initial_rps, None, None)
+
+    def _warm_learner(self) -> None:
+        """Simulate, before serving, the full-replica rates the learner measures replicas against (one model
+        replica per shape and class, cached): about 3 s for Llama-2-70B on 8 GPUs, which the first learned
+        span's decision would otherwise wait for (ten times the demo's budget); each later span then costs
+        tens of milliseconds."""
+        planner = self.planner
+        assert isinstance(planner, SelfCorrectingPlanner)
+        for shape in planner.learner.shapes:
+            planner.learner.saturated_rates(shape)
+
+    async def _load_learned(self) -> None:
+        """Resume the learner from the strategy bucket; a state it refuses (another model's classes or shapes,
+        or not JSON) is logged and the learner starts from its prior."""
+        planner = self.planner
+        assert isinstance(planner, SelfCorrectingPlanner)
+        try:
+            entry = await self.kv.get(Subjects.LEARNED_KEY)
+        except KeyNotFoundError:
+            return
+        try:
+            planner.learner.load_dict(json.loads(entry.value))
+        except (ConfigError, ValueError, KeyError, TypeError) as exc:
+            log.warning("scheduler: the learned capacity in the strategy bucket does not fit this planner; "
+                        "starting from the performance model's: %s", exc)
+            return
+        # an empty span teaches nothing and brings the correction the planner plans with up to the loaded state
+        # (on a thread: building the corrected twin simulates a model replica per corrected shape)
+        await asyncio.to_thread(planner.observe, SpanRecord((), 0.0, 0.0, self.config.span_s), None)
+
+    async def _on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
+        last = self.heartbeats.get(hb.replica_id)
+        if last is None or hb.at_s >= last.at_s:
+            self.heartbeats[hb.replica_id] = hb
+
+    async def _on_completed(self, ev: Completed, msg: Msg) -> None:
+        span_s = self.config.span_s
+        for c in ev.items:
+            self._completions.append(c)
+            span = int(c.finished_at_s // span_s)
+            self._num_completed[span] = self._num_completed.get(span, 0) + 1
+
+    def span_record(self, span_index: int, arrivals: int) -> SpanRecord:
+        """What the replicas of the decision in force did since the last forecast event (their latest heartbeats
+        now against then, their completions between), and the span's arrivals and completions; moves the
+        snapshot on and forgets what it no longer needs."""
+        planner = self.planner
+        assert isinstance(planner, SelfCorrectingPlanner)
+        now = snapshot(self.heartbeats, self.current)
+        record, self._saturated = span_record(
+            self._counters, now, self._completions, len(planner.class_names), self.config.span_s, arrivals=arrivals,
+            num_completed=self._num_completed.get(span_index, 0), saturated_before=self._saturated,
+            saturated_frac=planner.learner.config.saturated_frac)
+        self._counters = now
+        self._completions = [c for c in self._completions
+                             if c.replica_id in now and c.finished_at_s > now[c.replica_id].at_s]
+        self.heartbeats = {rid: hb for rid, hb in self.heartbeats.items() if rid in now}
+        self._num_completed = {i: n for i, n in self._num_completed.items() if i > span_index}
+        self.records.append(record)
+        return record
 
     async def _on_arrived(self, ev: Arrived, msg: Msg) -> None:
         span_s = self.config.span_s
@@ -165,12 +265,19 @@ class SchedulerWorker(Worker):
     async def _on_forecast(self, ev: ForecastMade, msg: Msg) -> None:
         try:
             rates = np.asarray(ev.forecast_rps, dtype=float)
-            await self._decide(ev.span_index, rates, self.pattern(ev.span_index), msg.headers)
+            arrivals = len(self._arrivals.get(ev.span_index, ()))
+            await self._decide(ev.span_index, rates, self.pattern(ev.span_index), msg.headers, arrivals)
         except Exception:  # outermost: a failed plan keeps the current strategy
             log.exception("scheduler: planning for span %d failed", ev.span_index)
 
+    def _observe_and_plan(self, record: SpanRecord | None, rates: np.ndarray,
+                          recent: ArrivalPattern | None) -> Decision:
+        if record is not None and self.current is not None and isinstance(self.planner, SelfCorrectingPlanner):
+            self.planner.observe(record, self.current)
+        return self.planner.plan(rates, self.current, recent, self.config.span_s)
+
     async def _decide(self, span_index: int, rates: np.ndarray, recent: ArrivalPattern | None,
-                      headers) -> StrategyChosen:
+                      headers, arrivals: int = 0) -> StrategyChosen:
         async with self._lock:
             span = None
             if self.tracer is not None:
@@ -184,8 +291,11 @@ class SchedulerWorker(Worker):
                                 **messaging_attributes(subject, *op, message_id=f"span{span_index}"
                                                        if span_index >= 0 else "")})
             try:
+                # the span that closed, before planning; learning (a model replica simulated per new class mix)
+                # is part of the decision's time: the strategy waits for it
+                record = self.span_record(span_index, arrivals) if self.learning and span_index >= 0 else None
                 started = time.perf_counter()
-                decision = await asyncio.to_thread(self.planner.plan, rates, self.current, recent, self.config.span_s)
+                decision = await asyncio.to_thread(self._observe_and_plan, record, rates, recent)
                 took = time.perf_counter() - started
                 self.decide_s.append(took)
                 budget = self.clock.to_wall_s(self.config.budget_frac * self.config.span_s)
@@ -200,6 +310,11 @@ class SchedulerWorker(Worker):
                 self.current = decision
                 s = msgspec.structs.replace(strategy_from_decision(decision, strategy_id, span_index + 1, took, budget),
                                             **self.clock.stamp())
+                if isinstance(self.planner, SelfCorrectingPlanner):
+                    p = self.planner
+                    s = msgspec.structs.replace(s, capacity_scales=capacity_rows(p.correction),
+                                                guard_events=p.guard_events, underserved=p.last.underserved)
+                    await self.kv.put(Subjects.LEARNED_KEY, json.dumps(p.learner.to_dict()).encode())
                 await self.kv.put(Subjects.STRATEGY_KEY, encode(s))
                 headers_out = inject(span) if span is not None else {}
                 headers_out[MSG_ID] = f"{self._run_id}:{strategy_id}"

@@ -25,6 +25,7 @@ from oserve.forecast.baselines import LastValue
 from oserve.forecast.gate import GatedForecaster
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import TracingConfig, setup_tracing
+from oserve.planner.adaptive import SelfCorrectingPlanner
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.oserve import OServePlanner
@@ -133,11 +134,12 @@ class SystemConfig:
 @dataclass(frozen=True, slots=True, eq=False)
 class PlanningInputs:
     """What the workers start from: the prior fitted on history, the planner built on it, and the rates
-    the first span is planned for."""
+    the first span is planned for. OServe's planner learns capacity as it serves (it holds state: one
+    `PlanningInputs` per system run)."""
 
     prior: Prior
     ctx: PlanningContext
-    planner: OServePlanner | StaticPlanner
+    planner: SelfCorrectingPlanner | OServePlanner | StaticPlanner
     initial_rps: np.ndarray
     """Per-class rates of the first span: the history's last span, unless given."""
 
@@ -149,8 +151,9 @@ class PlanningInputs:
 def planning_inputs(config: SystemConfig, history: Trace | None = None,
                     initial_rps: np.ndarray | None = None) -> PlanningInputs:
     """Fit the prior on `history` (default: `config.trace`, cut to `config.history_minutes`) and build the
-    planner; `initial_rps` overrides the first span's rates (an operator's expectation). Pure but slow
-    (about a second)."""
+    planner (`SelfCorrectingPlanner`: OServe's planner, its capacity learned from the engines' telemetry,
+    the learned per-class scales weighed by the history's class mix); `initial_rps` overrides the first
+    span's rates (an operator's expectation). Pure but slow (about a second)."""
     if history is None:
         history = load_trace(config.trace)
         if config.history_minutes is not None:
@@ -163,7 +166,8 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     first = prior.counts[-1] / prior.span_s if initial_rps is None else np.asarray(initial_rps, dtype=float)
     if first.shape != (prior.types.k,) or not np.all(np.isfinite(first)) or (first < 0).any():
         raise ConfigError(f"planning_inputs: initial_rps must be {prior.types.k} rates >= 0, got {first.tolist()}")
-    return PlanningInputs(prior, ctx, OServePlanner(ctx, config.planner_config()), first)
+    planner = SelfCorrectingPlanner(ctx, config.planner_config(), mix=prior.counts.sum(axis=0))
+    return PlanningInputs(prior, ctx, planner, first)
 
 
 def live_forecaster(config: SystemConfig, prior: Prior) -> GatedForecaster:

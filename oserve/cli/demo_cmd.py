@@ -7,7 +7,8 @@ models on the workload's history, replays its window through the client with a l
 the same run and on the same server, replays the same window through the same pipeline with the
 static baseline's planner (the best homogeneous deployment, chosen on the history by simulating the
 candidates, as `oserve simulate` chooses vllm-static), and prints both P99s, their ratio and the
-switches made, and writes a report folder.
+switches made, and what OServe's scheduler learned of the engines' capacity (`summary.json`'s
+`learned_capacity`, one console line), and writes a report folder.
 
 The default workload, `shift`, is the paper's kind of shifting mix built from real requests (the
 bundled Azure conversation trace's lengths): short prompts, then long prompts, then short again
@@ -203,6 +204,8 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     console_out.print(f"Forecaster in force at the end: {summary['forecaster_in_force']} "
                       f"{summary['forecaster_note']}; decisions took {summary['decide_wall_s']['median']:.2f} s "
                       f"(median, budget {summary['decide_wall_s']['budget']:.2f} s).")
+    if "learned_capacity" in summary:
+        console_out.print(learned_line(summary))
     console_out.print(f"Latencies are on the pipeline's clock ({speedup:g}x wall time). Report: {out}/ (latency_cdf.png, "
                       f"deployment.png, rates.png, summary.json, traces).")
     return summary
@@ -273,11 +276,40 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
                 await client.close()
             if system.scheduler is not None:
                 result["num_over_budget"] = system.scheduler.num_over_budget
+                result.update(learned_summary(system.scheduler.planner, system.scheduler.current))
     finally:
         for sub in subs:
             await sub.unsubscribe()
         await nc.drain()
     return result, record
+
+
+def learned_summary(planner, current) -> dict:
+    """What the scheduler's planner learned of capacity, for `summary.json` ({} when it does not learn):
+    `learned_capacity`, the model's against the learned rate per class of each shape of the final deployment
+    (`CapacityLearner.report`); `learned_windows`, the replica spans that moved the estimate;
+    `learned_max_scale_dev`, the largest |scale - 1| of any pair, and `learned_max_pair`, which; and the
+    guard's `guard_events`. Reads the planner's state, changes none of it."""
+    from oserve.planner.adaptive import SelfCorrectingPlanner
+
+    if not isinstance(planner, SelfCorrectingPlanner):
+        return {}
+    correction = planner.correction
+    shapes = sorted(set(current.deployment.shapes())) if current is not None else None
+    worst = max(correction.scales.items(), key=lambda item: abs(item[1] - 1.0), default=None)
+    return {"learned_capacity": planner.learner.report(shapes),
+            "learned_windows": int(sum(correction.windows.values())),
+            "learned_max_scale_dev": abs(worst[1] - 1.0) if worst else 0.0,
+            "learned_max_pair": f"{worst[0][0]} {planner.class_names[worst[0][1]]}" if worst else "",
+            "guard_events": planner.guard_events}
+
+
+def learned_line(summary: dict) -> str:
+    """One console line on the learned capacity (under 80 columns). Pure."""
+    dev, pair, n = summary["learned_max_scale_dev"], summary["learned_max_pair"], summary["learned_windows"]
+    if not n and not pair:
+        return "Capacity learned: no replica span moved the performance model's."
+    return f"Capacity learned from {n} replica spans; largest |scale-1| {dev:.2f}" + (f" ({pair})" if pair else "") + "."
 
 
 def _live_report(records: dict[str, dict], config, gpus: int, out: Path) -> None:

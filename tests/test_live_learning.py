@@ -1,0 +1,254 @@
+"""The live scheduler learns capacity as the simulator's OServe does: the engines' counters in their
+heartbeats, the completions, one `SpanRecord` per span for `SelfCorrectingPlanner.observe`, the learner's
+state in the strategy bucket across restarts, and the learned capacity on each strategy event."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import nats
+import numpy as np
+import pytest
+from nats.js.errors import KeyNotFoundError
+
+from oserve.planner.adaptive import SelfCorrectingPlanner, SpanRecord
+from oserve.planner.learned import ReplicaWindow
+from oserve.specs import ReplicaShape
+from oserve.streams.jetstream import ensure_streams
+from oserve.streams.schemas import (Completed, Completion, Dispatch, ForecastMade, Heartbeat, StrategyChosen, decode,
+                                    encode)
+from oserve.streams.subjects import Subjects
+from oserve.streams.testing import running_server, unique_subjects, wait_until
+from oserve.traces import load_trace
+from oserve.workers.backends import EchoBackend, Job, SimBackend
+from oserve.workers.clock import Clock
+from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker, capacity_rows
+from oserve.workers.span_telemetry import ReplicaCounters, span_record
+from oserve.workers.system import SystemConfig, planning_inputs
+
+SPAN_S = 10.0
+TP1 = ReplicaShape(1, 1)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running_server()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    # a small cluster (three shapes), so learning and planning stay quick
+    config = SystemConfig(model="llama2-7b", gpus=2, span_s=SPAN_S)
+    return planning_inputs(config, load_trace("azure-conv").slice_time(0.0, 600.0)), config
+
+
+def fresh_planner(inputs) -> SelfCorrectingPlanner:
+    """A planner at the prior, as `planning_inputs` builds it (each test its own: a planner holds state)."""
+    inp, config = inputs
+    return SelfCorrectingPlanner(inp.ctx, config.planner_config(), mix=inp.prior.counts.sum(axis=0))
+
+
+def taught(inputs) -> SelfCorrectingPlanner:
+    """A planner told that a TP1 replica, saturated through a span, finished half what the model expects."""
+    planner = fresh_planner(inputs)
+    rate = planner.learner.saturated_rates(TP1)[0]
+    window = ReplicaWindow(TP1, (0.5 * rate * SPAN_S, 0.0, 0.0, 0.0), SPAN_S, SPAN_S, after_saturated=True)
+    planner.observe(SpanRecord((window,), 10.0, 10.0, SPAN_S), None)
+    assert planner.correction.scales.get((TP1, 0), 1.0) > 1.2
+    return planner
+
+
+def _completion(replica_id: str, at_s: float, type_index: int, ttft_s: float = 0.5, e2e_s: float = 2.5,
+                output_tokens: int = 11) -> Completion:
+    return Completion(request_id=f"{replica_id}-{at_s}", replica_id=replica_id, input_tokens=100,
+                      output_tokens=output_tokens, type_index=type_index, ttft_s=ttft_s, e2e_s=e2e_s,
+                      finished_at_s=at_s)
+
+
+def test_a_span_record_differences_each_replicas_counters_between_its_two_heartbeats() -> None:
+    c = ReplicaCounters
+    before = {"a": c("a", TP1, (0,), 9.5, 5.0, 2.0, 3, True), "b": c("b", TP1, (1,), 9.8, 8.0, 1.0, 0, True),
+              "reset": c("reset", TP1, (2,), 9.0, 7.0, 6.0, 0, True),
+              "gone": c("gone", TP1, (3,), 9.0, 7.0, 6.0, 4, True)}
+    now = {"a": c("a", TP1, (0,), 19.0, 14.5, 11.5, 5, True),  # waited through all of its 9.5 s window
+           "b": c("b", TP1, (1,), 20.1, 10.0, 1.5, 0, True),
+           "reset": c("reset", TP1, (2,), 19.0, 1.0, 0.5, 0, True),  # restarted under its id: counts from 0
+           "new": c("new", TP1, (4,), 19.9, 1.0, 0.5, 1, True)}  # switched in during the span
+    done = [_completion("a", t, 0) for t in (10.0, 12.0, 18.9)] + [_completion("a", 15.0, 2, ttft_s=1.0, e2e_s=6.0)]
+    done += [_completion("a", 9.4, 1), _completion("a", 19.5, 1)]  # before and after a's window
+    done += [_completion("b", 20.0, 1), _completion("b", 11.0, 1), _completion("new", 15.0, 0)]
+    record, saturated = span_record(before, now, done, 4, SPAN_S, arrivals=12, num_completed=9,
+                                    saturated_before=frozenset({"a"}))
+    assert [w.completed for w in record.windows] == [(3.0, 0.0, 1.0, 0.0), (0.0, 2.0, 0.0, 0.0)]
+    a, b = record.windows
+    assert a.seconds == pytest.approx(9.5) and a.saturated_s == pytest.approx(9.5) and a.after_saturated
+    assert b.seconds == pytest.approx(10.3) and b.saturated_s == pytest.approx(0.5) and not b.after_saturated
+    assert a.tpot_s == pytest.approx(np.mean([0.2, 0.2, 0.2, 0.5]))  # (e2e - ttft) / (output tokens - 1)
+    assert saturated == {"a"}
+    assert record.waiting_growth == 2.0  # over the replicas that served through: a's 3 -> 5
+    assert (record.arrivals, record.completions, record.span_s) == (12.0, 9.0, SPAN_S)
+    # the first snapshot has nothing to difference against
+    first, none = span_record({}, now, done, 4, SPAN_S, arrivals=1, num_completed=1)
+    assert first.windows == () and none == frozenset() and first.waiting_growth == 0.0
+
+
+def test_backends_count_busy_and_saturated_seconds() -> None:
+    backend = SimBackend("r0")
+    for seq in range(40):  # more prompt tokens than one step takes: requests wait between steps
+        backend.add(Job(seq, f"q{seq}", 4000, 4, 0, 0.0), 0.0)
+    while backend.next_event_s() is not None:
+        backend.advance(backend.next_event_s())
+    load = backend.load()
+    assert load.busy_s >= load.saturated_s > 0
+    assert EchoBackend().load().busy_s == EchoBackend().load().saturated_s == 0.0
+
+
+async def test_engine_heartbeats_carry_the_replicas_counters(server) -> None:
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        seen: list[Heartbeat] = []
+
+        async def on_hb(msg) -> None:
+            seen.append(decode(msg.data, Heartbeat))
+
+        await nc.subscribe(subjects.heartbeats(), cb=on_hb)
+        cfg = EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05)
+        async with EngineWorker(nc, cfg, Clock(speedup=20.0)):
+            for i in range(40):
+                await nc.publish(subjects.replica("r0"), encode(Dispatch(
+                    request_id=f"q{i}", input_tokens=4000, max_tokens=4, type_index=0, gateway_id="t")),
+                    reply=f"{subjects.reply_prefix()}.nobody.{i}")
+            await wait_until(lambda: any(h.saturated_s > 0 for h in seen), 10, "a heartbeat with saturated seconds")
+        hb = next(h for h in seen if h.saturated_s > 0)
+        assert hb.busy_s >= hb.saturated_s > 0 and hb.replica_id == "r0"
+        await nc.close()
+
+    await asyncio.wait_for(main(), 20)
+
+
+class RecordingPlanner(SelfCorrectingPlanner):
+    """Keeps the deployment in force (so its replica ids stay) and records what `observe` is told."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[SpanRecord] = []
+
+    def observe(self, span, current):
+        self.seen.append(span)
+        return super().observe(span, current)
+
+    def plan(self, rates_rps, current, recent, span_s):
+        return current if current is not None else super().plan(rates_rps, current, recent, span_s)
+
+
+async def test_heartbeats_and_completions_become_the_span_the_planner_observes(server, inputs) -> None:
+    subjects = unique_subjects()
+    inp, config = inputs
+    planner = RecordingPlanner(inp.ctx, config.planner_config(), mix=inp.prior.counts.sum(axis=0))
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        kv = await ensure_streams(nc.jetstream(), subjects)
+        worker = SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(), planner,
+                                 inp.initial_rps)
+        async with worker:
+            ids = [r.replica_id for r in worker.current.deployment.replicas]
+
+            async def heartbeats(at_s: float, busy_s: float, saturated_s: float, waiting: int) -> None:
+                for rid in ids:
+                    await nc.publish(subjects.heartbeat(rid), encode(Heartbeat(
+                        replica_id=rid, at_s=at_s, num_waiting=waiting, num_running=4, busy_s=busy_s,
+                        saturated_s=saturated_s)))
+                await wait_until(lambda: all(rid in worker.heartbeats and worker.heartbeats[rid].at_s == at_s
+                                             for rid in ids), 5, "the heartbeats")
+
+            async def forecast(span: int) -> None:
+                await nc.publish(subjects.plan_event("forecast"), encode(ForecastMade(
+                    span_index=span, span_start_s=span * SPAN_S, span_s=SPAN_S, observed_counts=[0, 0, 0, 0],
+                    forecast_rps=[float(x) for x in inp.initial_rps])))
+                await wait_until(lambda: len(worker.strategies) == span + 2, 10, f"the strategy after span {span}")
+
+            await heartbeats(9.5, 5.0, 2.0, 1)
+            await forecast(0)
+            items = [_completion(ids[0], 11.0 + i, i % 2) for i in range(5)]
+            await nc.publish(subjects.completions(), encode(Completed(replica_id=ids[0], items=items)))
+            await wait_until(lambda: len(worker._completions) == 5, 5, "the completions")
+            await heartbeats(19.5, 14.0, 11.0, 3)
+            await forecast(1)
+        await nc.close()
+        return ids
+
+    ids = await asyncio.wait_for(main(), 20)
+    assert len(planner.seen) == 2 and planner.seen[0].windows == ()  # nothing to difference the first against
+    record = planner.seen[1]
+    assert len(record.windows) == len(ids)
+    assert all(w.seconds == pytest.approx(10.0) and w.saturated_s == pytest.approx(9.0) for w in record.windows)
+    assert record.windows[0].completed == (3.0, 2.0, 0.0, 0.0) and record.completions == 5.0
+    assert record.waiting_growth == 2.0 * len(ids)
+
+
+async def test_the_learner_survives_a_restart_and_rides_on_each_strategy(server, inputs, caplog) -> None:
+    subjects = unique_subjects()
+    inp, _ = inputs
+    planner = taught(inputs)
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        kv = await ensure_streams(nc.jetstream(), subjects)
+        published: list[StrategyChosen] = []
+
+        async def on_strategy(msg) -> None:
+            published.append(decode(msg.data, StrategyChosen))
+
+        await nc.subscribe(subjects.plan_event("strategy"), cb=on_strategy)
+        cfg = SchedulerConfig(subjects=subjects, span_s=SPAN_S)
+        async with SchedulerWorker(nc, kv, cfg, Clock(), planner, inp.initial_rps) as first:
+            await wait_until(lambda: len(published) == 1, 5, "the first strategy event")
+        stored = json.loads((await kv.get(Subjects.LEARNED_KEY)).value)
+        assert stored == json.loads(json.dumps(planner.learner.to_dict()))
+        # the strategy carries the correction it was planned with: the taught shape's classes among its rows
+        s = published[0]
+        assert s.capacity_scales == first.strategies[0].capacity_scales == capacity_rows(planner.correction)
+        rows = {(int(tp), int(pp), int(j)): (scale, sd) for tp, pp, j, scale, sd in s.capacity_scales}
+        assert {(1, 1, j) for j in range(4)} <= set(rows)
+        assert rows[(1, 1, 0)][0] == pytest.approx(planner.correction.scales[(TP1, 0)]) and rows[(1, 1, 0)][0] > 1.2
+        assert 0 < rows[(1, 1, 0)][1] < 0.5 and s.guard_events == 0 and s.underserved is False
+        # a restarted scheduler resumes with what was learned
+        again = fresh_planner(inputs)
+        async with SchedulerWorker(nc, kv, cfg, Clock(), again, inp.initial_rps):
+            assert again.learner.to_dict() == stored
+            assert again.correction.scales == planner.correction.scales  # and plans with it
+        # a state for another prior is refused: the learner starts from the model's
+        await kv.put(Subjects.LEARNED_KEY, json.dumps({**stored, "classes": ["a", "b"]}).encode())
+        other = fresh_planner(inputs)
+        with caplog.at_level(logging.WARNING, logger="oserve.workers.scheduler"):
+            async with SchedulerWorker(nc, kv, cfg, Clock(), other, inp.initial_rps):
+                assert other.learner.to_dict() == fresh_planner(inputs).learner.to_dict()
+        assert "does not fit this planner" in caplog.text
+        await nc.close()
+
+    await asyncio.wait_for(main(), 30)
+
+
+async def test_a_planner_that_does_not_learn_reads_no_telemetry(server, inputs) -> None:
+    subjects = unique_subjects()
+    inp, _ = inputs
+
+    async def main() -> None:
+        nc = await nats.connect(server.url)
+        kv = await ensure_streams(nc.jetstream(), subjects)
+        static = inp.static(fresh_planner(inputs).plan(inp.initial_rps, None, None, SPAN_S).deployment)
+        async with SchedulerWorker(nc, kv, SchedulerConfig(subjects=subjects, span_s=SPAN_S), Clock(),
+                                   static.planner, inp.initial_rps) as worker:
+            assert not worker.learning and worker.strategies[0].capacity_scales == []
+            assert len(worker._subs) == 2  # arrivals and forecasts only
+        with pytest.raises(KeyNotFoundError):  # nothing learned was stored
+            await kv.get(Subjects.LEARNED_KEY)
+        await nc.close()
+
+    await asyncio.wait_for(main(), 20)
