@@ -180,21 +180,10 @@ class SchedulerWorker(Worker):
         except KeyNotFoundError:
             pass
         if self.learning:
-            await asyncio.to_thread(self._warm_learner)
             await self._load_learned()
         await super().start()
         if self.current is None:
             await self._decide(-1, self.initial_rps, None, None)
-
-    def _warm_learner(self) -> None:
-        """Simulate, before serving, the full-replica rates the learner measures replicas against (one model
-        replica per shape and class, cached): about 3 s for Llama-2-70B on 8 GPUs, which the first learned
-        span's decision would otherwise wait for (ten times the demo's budget); each later span then costs
-        tens of milliseconds."""
-        planner = self.planner
-        assert isinstance(planner, SelfCorrectingPlanner)
-        for shape in planner.learner.shapes:
-            planner.learner.saturated_rates(shape)
 
     async def _load_learned(self) -> None:
         """Resume the learner from the strategy bucket; a state it refuses (another model's classes or shapes,
@@ -211,9 +200,7 @@ class SchedulerWorker(Worker):
             log.warning("scheduler: the learned capacity in the strategy bucket does not fit this planner; "
                         "starting from the performance model's: %s", exc)
             return
-        # an empty span teaches nothing and brings the correction the planner plans with up to the loaded state
-        # (on a thread: building the corrected twin simulates a model replica per corrected shape)
-        await asyncio.to_thread(planner.observe, SpanRecord((), 0.0, 0.0, self.config.span_s), None)
+        planner.refresh()  # plan with the loaded correction from the first decision on
 
     async def _on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
         last = self.heartbeats.get(hb.replica_id)

@@ -182,8 +182,9 @@ class SelfCorrectingPlanner:
             perf = None
             if correction.scales:
                 scales = {}
+                full = self.learner.full_table
                 for shape in sorted({s for s, _ in correction.scales}):
-                    work = self.mix / self.learner.saturated_rates(shape)
+                    work = self.mix / np.array([full.rate(shape, j) for j in range(len(self.mix))])
                     u = correction.shape_scale(shape, work)
                     if abs(u - 1.0) > 1e-9:
                         scales[shape] = (u, 1.0)
@@ -230,9 +231,12 @@ class SelfCorrectingPlanner:
         self._refresh()
         return self.last
 
-    def _refresh(self) -> None:
+    def refresh(self) -> None:
+        """Bring the correction and the planner in force up to the learner's state (after `learner.load_dict`)."""
         self.correction = self.learner.correction()
         self.planner = self._planner_for(self.correction)
+
+    _refresh = refresh
 
     def _record(self, deployment: Deployment, weights, span: SpanRecord) -> SpanOutcome:
         cfg = self.guard

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from oserve.capacity import CapacityTable, CorrectedTable
+from oserve.capacity import CapacityTable, CorrectedTable, LatencyTarget
 from oserve.errors import ConfigError
 from oserve.specs import ReplicaShape
 
@@ -158,6 +158,13 @@ class CapacityLearner:
             raise ConfigError("CapacityLearner: no shapes to learn")
         self._index = {s: i for i, s in enumerate(self.shapes)}
         self._saturated: dict[tuple, float] = {}
+        self.full_table = CapacityTable(table.model, table.gpu, table.types,
+                                        LatencyTarget(tbt_s=1e9, kv_headroom_frac=table.target.kv_headroom_frac,
+                                                      kv_sigmas=table.target.kv_sigmas),
+                                        table.memory, table.gpus_per_node, table.engine, table.perf,
+                                        table.max_replica_gpus)
+        """The capacity model without a latency bound (a full replica's rate, analytically): cheap weights for
+        a shape's classes where a simulated probe is not worth its cost (the twin's per-shape scale)."""
         self._mean = np.ones(len(self.shapes) * self.k)
         self._cov = prior_covariance(len(self.shapes), self.k, config)
         self._windows: dict[ReplicaShape, int] = {}
