@@ -36,6 +36,7 @@ scenarios, with the other errors too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -73,7 +74,7 @@ class GuardConfig:
     demand_frac: float = 0.8
     """A deployment is returned to for its clean record only if it served cleanly at least this fraction of
     the forecast demand ..."""
-    full_gain: float = 0.1
+    full_gain: float = 0.25
     """... or, when none did, for its full rate: it finished this fraction more per second when full than
     the deployment in force."""
 
@@ -350,16 +351,21 @@ class SelfCorrectingPlanner:
         return rec is not None and rec.best_clean_demand_rps >= self.guard.demand_frac * demand
 
     def _measured_best(self, current: Decision | None, demand: float) -> Deployment | None:
-        """The deployment measured to serve best: the one that served the most demand cleanly (at least
-        `demand_frac` of `demand`; ties to the lowest P99 measured), else the one that finished the most
-        when full, if that beats the current one's by `full_gain`."""
+        """The deployment measured to serve best: among those not distrusted, the one with the lowest P99
+        measured that served at least `demand_frac` of `demand` cleanly. Failing that: before the first
+        decision, the lowest P99 measured on the history (what the operator's measurement picks, even if
+        every candidate underserved there); later, the one that finished the most when full, if `full_gain`
+        more than the one in force."""
         here = deployment_key(current.deployment) if current is not None else None
         cfg = self.guard
-        others = [r for k, r in self.measured.items() if k != here and not r.distrusted]
-        clean = [r for r in others if r.best_clean_demand_rps >= cfg.demand_frac * demand]
+        others = [r for k, r in self.measured.items() if k != here]
+        clean = [r for r in others if not r.distrusted and r.best_clean_demand_rps >= cfg.demand_frac * demand]
         if clean:
             return min(clean, key=lambda r: (r.p99_s, -r.best_clean_demand_rps)).deployment
-        mine = self.measured.get(here).best_full_rps if here in self.measured else 0.0
+        if current is None:
+            known = [r for r in others if math.isfinite(r.p99_s)]
+            return min(known, key=lambda r: r.p99_s).deployment if known else None
+        mine = self.measured[here].best_full_rps if here in self.measured else 0.0
         full = [r for r in others if r.best_full_rps > (1.0 + cfg.full_gain) * mine]
         return max(full, key=lambda r: r.best_full_rps).deployment if full else None
 
