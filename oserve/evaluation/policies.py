@@ -145,6 +145,7 @@ class OServePolicy(Gateway):
                 out = self.adaptive.observe(span, view.current)
                 self.outcomes.append({"span_index": view.span_index, "underserved": out.underserved,
                                       "saturated_replicas": out.saturated_replicas, "learned": out.learned,
+                                      "waiting_growth": out.backlog_growth, "arrivals": span.arrivals,
                                       "scales": {f"{s}/{self.adaptive.class_names[j]}": v
                                                  for (s, j), v in self.adaptive.correction.scales.items()}})
         return super().decide(view)
