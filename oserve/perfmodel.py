@@ -26,6 +26,7 @@ import numpy as np
 
 from oserve.data import data_path
 from oserve.defaults import GPUS_PER_NODE
+from oserve.errors import ConfigError
 from oserve.specs import GPUSpec, ModelSpec, ReplicaShape, kv_heads_per_gpu, stage_layers
 
 # --- the model's formulas (fitted by `oserve.calibration`) ---------------------------------------
@@ -394,7 +395,7 @@ class ScaledTimer:
 
     def __init__(self, base: ShapeTimer, time_scale: float = 1.0, attention_scale: float = 1.0) -> None:
         if not time_scale > 0 or not attention_scale > 0:
-            raise ValueError(f"ScaledTimer: scales must be positive, got {time_scale}, {attention_scale}")
+            raise ConfigError(f"ScaledTimer: scales must be positive, got {time_scale}, {attention_scale}")
         if attention_scale != 1.0:
             fresh = ShapeTimer.__new__(ShapeTimer)
             fresh.__dict__.update(base.__dict__)
