@@ -218,18 +218,18 @@ class SelfCorrectingPlanner:
             if record.underserved_spans and self.guard.enabled:
                 record.distrusted = True  # it underserved before the window: the model is wrong about it
                 self.verifying = True
-        self._refresh()
+        self.refresh()
 
     def observe(self, span: SpanRecord, current: Decision | None) -> SpanOutcome:
         """Learn from the span that just ended under `current` (its replica windows, arrivals and completions)."""
         if current is None or not current.deployment.replicas:
             learned = sum(self.learner.observe(w) for w in span.windows)
-            self._refresh()
+            self.refresh()
             self.last = SpanOutcome(learned=learned, backlog_growth=span.waiting_growth)
             return self.last
         weights = current.weights if current.label not in ("static",) else None
         self.last = self._record(current.deployment, weights, span)
-        self._refresh()
+        self.refresh()
         return self.last
 
     def refresh(self) -> None:
@@ -237,7 +237,6 @@ class SelfCorrectingPlanner:
         self.correction = self.learner.correction()
         self.planner = self._planner_for(self.correction)
 
-    _refresh = refresh
 
     def _record(self, deployment: Deployment, weights, span: SpanRecord) -> SpanOutcome:
         cfg = self.guard
