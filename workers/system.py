@@ -290,19 +290,35 @@ class LiveSystem:
 
 
 async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_s: float = 120.0,
-                 subjects: Subjects | None = None) -> dict:
+                 subjects: Subjects | None = None, watch_switches: bool = True, settle_s: float = 0.0) -> dict:
     """Publish a trace's requests at their sped-up times, await every reply, and summarise.
 
     Each request carries what a client sends: its input length, and its max tokens and client tag if
     the trace has them. Its true output length goes only to the simulated engine (`sim_output_tokens`, which the
     gateway never reads): the router classes it as a real one would, without knowing it.
+
+    It never raises for a request's failure, whatever it is: each request is answered or counted under an
+    error code (`_failure_code`), so `answered + errors + lost == sent`. The summary: `sent`, `answered`,
+    `error_codes` (every failure by code: the system's `ErrorCode`s and the client's `timeout`,
+    `connection_lost`, `no_gateway`, ...), `errors` (answered with a system error), `lost` (no answer:
+    the client's codes), `duplicates` (answers that came to an inbox after its first, over the run and
+    `settle_s` wall seconds after it), `late` (first answers after the client gave up), `resent` and
+    `reconnects` (the client's, during the run). `watch_switches` counts the switch events (a subscription
+    to plan events, which a client user under auth may not have): without it `switches` is None.
     """
+    import logging
+
+    from oserve.streams.schemas import SchemaError
+
     subjects = subjects or client.subjects
     switches = {"planned": 0, "completed": 0, "rolled_back": 0, "changed": 0}
     planned: dict[str, bool] = {}
 
     async def on_switch(msg) -> None:
-        ev = decode(msg.data, SwitchEvent)
+        try:
+            ev = decode(msg.data, SwitchEvent)
+        except SchemaError:
+            return
         if isinstance(ev, SwitchPlanned):
             switches["planned"] += 1
             planned[ev.strategy_id] = bool(ev.start_ids or ev.retire_ids)
@@ -312,47 +328,91 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
         else:
             switches["rolled_back"] += 1
 
-    sub = await client.nc.subscribe(subjects.plan_event("switch"), cb=on_switch)
+    sub = None
+    if watch_switches:
+        try:
+            sub = await client.nc.subscribe(subjects.plan_event("switch"), cb=on_switch)
+        except (nats.errors.Error, OSError) as exc:
+            logging.getLogger("oserve.replay").warning("replay: not counting switches: cannot subscribe to switch "
+                                                       "events (%s)", exc)
     e2e: list[float] = []
-    errors: dict[str, int] = {}
-    lost = 0
+    failures: dict[str, int] = {}  # error code -> requests
+    rejected = 0  # answered with a system error (the rest of the failures got no answer)
+    sent = 0
+    before = _replay_counters(client)
     t0 = time.monotonic()
     run_id = uuid.uuid4().hex[:12]  # ids unique per run: a second replay must not meet the first's answers
 
     async def one(i: int, at_s: float, inp: int, out: int, cap: int, cid: int) -> None:
-        nonlocal lost
+        nonlocal rejected, sent
         await asyncio.sleep(max(0.0, t0 + at_s / speedup - time.monotonic()))
+        sent += 1
         try:
             tag = client_tag(cid)
             r = await client.submit(input_tokens=inp, max_tokens=cap or None, request_id=f"replay-{run_id}-{i}",
                                     tags={CLIENT_TAG: tag} if tag else None, timeout_s=timeout_s,
                                     sim_output_tokens=max(1, out))
             e2e.append(r.e2e_s)
-        except RequestRejected as exc:
-            errors[exc.code] = errors.get(exc.code, 0) + 1
-        except (RequestTimeout, ClientError):
-            lost += 1
+        except Exception as exc:  # every failure is counted, none ends the replay
+            code = _failure_code(exc)
+            failures[code] = failures.get(code, 0) + 1
+            rejected += isinstance(exc, RequestRejected)
 
     start_s = float(trace.arrival_s[0]) if len(trace) else 0.0
-    async with asyncio.TaskGroup() as tg:
-        for i in range(len(trace)):
-            tg.create_task(one(i, float(trace.arrival_s[i]) - start_s, int(trace.input_tokens[i]),
-                               int(trace.output_tokens[i]), int(trace.max_tokens[i]), int(trace.client_ids[i])))
-    await sub.unsubscribe()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(len(trace)):
+                tg.create_task(one(i, float(trace.arrival_s[i]) - start_s, int(trace.input_tokens[i]),
+                                   int(trace.output_tokens[i]), int(trace.max_tokens[i]), int(trace.client_ids[i])))
+        wall_s = time.monotonic() - t0
+        if settle_s > 0:
+            await asyncio.sleep(settle_s)  # answers that still come are duplicates or late
+    finally:
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except (nats.errors.Error, OSError):
+                pass
+    after = _replay_counters(client)
     e2e.sort()
+    lost = sum(failures.values()) - rejected
     return {
         "requests": len(trace),
+        "sent": sent,
         "answered": len(e2e),
-        "errors": sum(errors.values()),
-        "error_codes": errors,
+        "errors": rejected,
+        "error_codes": dict(sorted(failures.items())),
         "lost": lost,
-        "switches": switches["changed"],
-        "switch_events": switches,
+        "unaccounted": sent - len(e2e) - rejected - lost,
+        "duplicates": after["duplicates"] - before["duplicates"],
+        "late": after["late"] - before["late"],
+        "resent": after["resent"] - before["resent"],
+        "reconnects": after["reconnects"] - before["reconnects"],
+        "switches": switches["changed"] if sub is not None else None,
+        "switch_events": switches if sub is not None else None,
         "p50_s": e2e[len(e2e) // 2] if e2e else math.nan,
         "p99_s": e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))] if e2e else math.nan,
-        "wall_s": time.monotonic() - t0,
+        "wall_s": wall_s,
         "speedup": speedup,
     }
+
+
+def _failure_code(exc: Exception) -> str:
+    """The code a failed request of `replay` is counted under: a client error's `code` (the system's
+    `ErrorCode` for a rejection), else `unexpected:<type>` (logged: a bug, not an outcome)."""
+    if isinstance(exc, ClientError):
+        return exc.code
+    import logging
+
+    logging.getLogger("oserve.replay").error("replay: a request failed unexpectedly: %r", exc)
+    return f"unexpected:{type(exc).__name__}"
+
+
+def _replay_counters(client: OServeClient) -> dict[str, int]:
+    """The client's counters `replay` reports the change of."""
+    stats = getattr(client.nc, "stats", None) or {}
+    return {"duplicates": client.num_duplicates, "late": client.num_late, "resent": client.num_resent,
+            "reconnects": int(stats.get("reconnects", 0))}
 
 
 async def connect(url: str, name: str) -> NATS:

@@ -272,17 +272,33 @@ def replay_cmd(
                                                "replays the ones after; against --nats the replay starts at 0."),
     nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
                                  help="NATS URL of a running system; empty runs one embedded."),
+    user: str = typer.Option("", "--user", envvar="OSERVE_NATS_USER",
+                             help="NATS user (a client user: answers come under _INBOX_<prefix>.<user>, and no "
+                                  "switch events are counted, which a client may not read). Empty: the URL's "
+                                  "user, if any."),
+    password: str = typer.Option("", "--password", envvar="OSERVE_NATS_PASSWORD", show_default=False,
+                                 show_envvar=True,
+                                 help="The user's password. Prefer the environment variable: a flag shows in the "
+                                      "process list. Never printed."),
     model: str = typer.Option("llama2-7b", help="Model preset (embedded system)."),
     gpus: int = typer.Option(8, help="GPUs (embedded system)."),
     span_s: float = typer.Option(60.0, help="Planning span, clock seconds (embedded system)."),
     prefix: str = typer.Option("oserve", help="Subject prefix."),
     timeout_s: float = typer.Option(120.0, help="Per-request reply timeout (wall seconds)."),
+    give_up_s: float = typer.Option(0.0, "--give-up-s",
+                                    help="Stop reconnecting to NATS after this many wall seconds disconnected "
+                                         "(waiting requests then count as connection_lost); 0: never."),
+    settle_s: float = typer.Option(0.0, "--settle-s",
+                                   help="Wall seconds to keep listening after the last request, counting answers "
+                                        "that still come (duplicates, late)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Publish a trace's requests at their sped-up times through the client and report what came back."""
+    """Publish a trace's requests at their sped-up times through the client and report what came back: every
+    request answered or counted under an error code (sent = answered + errors + lost), and duplicates."""
     import asyncio
+    from urllib.parse import urlsplit
 
-    from oserve.streams.client import OServeClient
+    from oserve.streams.client import OServeClient, ReconnectPolicy
     from oserve.streams.server import NatsServer
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import LiveSystem, connect, planning_inputs, replay
@@ -292,17 +308,25 @@ def replay_cmd(
 
     if not minutes > 0 or not history_minutes > 0:
         raise ConfigError(f"--minutes and --history-minutes must be > 0, got {minutes} and {history_minutes}")
+    if give_up_s < 0 or settle_s < 0 or not timeout_s > 0:
+        raise ConfigError(f"--give-up-s and --settle-s must be >= 0 and --timeout-s > 0, got {give_up_s}, "
+                          f"{settle_s} and {timeout_s}")
     tr = load_trace(trace)
     start = 0.0 if nats_url else history_minutes * 60.0
     part = tr.slice_time(start, start + minutes * 60.0)
     if not len(part):
         raise ConfigError(f"{trace}: no request between minute {start / 60:g} and {start / 60 + minutes:g}")
     subjects = Subjects(prefix)
+    policy = ReconnectPolicy(give_up_after_s=give_up_s or None)
+    who = user or (urlsplit(nats_url).username if nats_url else None) or None
 
     async def against(url: str) -> dict:
-        client = await OServeClient.connect(url, subjects=subjects, default_timeout_s=timeout_s)
+        client = await OServeClient.connect(url, subjects=subjects, user=who, password=password or None,
+                                            default_timeout_s=timeout_s, reconnect=policy, name="oserve-replay")
         try:
-            return await replay(client, part, speedup, timeout_s=timeout_s)
+            # a client user may read nothing but its own inbox: switch events are counted without one
+            return await replay(client, part, speedup, timeout_s=timeout_s, watch_switches=who is None,
+                                settle_s=settle_s)
         finally:
             await client.close()
 
@@ -324,5 +348,8 @@ def replay_cmd(
     if json_out:
         typer.echo(json.dumps(result, indent=2))
         return
-    for key in ("requests", "answered", "errors", "lost", "switches", "p50_s", "p99_s", "wall_s"):
+    for key in ("requests", "sent", "answered", "errors", "lost", "duplicates", "late", "resent", "reconnects",
+                "switches", "p50_s", "p99_s", "wall_s"):
         typer.echo(f"{key:>10}: {result[key]}")
+    if result["error_codes"]:
+        typer.echo(f"{'by code':>10}: " + ", ".join(f"{code} {n}" for code, n in result["error_codes"].items()))
