@@ -86,8 +86,9 @@ _GROUPS: tuple[_Group, ...] = (
     _Group("plan.strategy", lambda s: s.plan_event("strategy"), "event", Subjects.stream_plans, ("strategy.v1",),
            "The scheduler's decision: a deployment and per-class routing rates (`weights`) and fractions (`shares`)."),
     _Group("plan.switch", lambda s: s.plan_event("switch"), "event", Subjects.stream_plans,
-           ("switch_planned.v1", "switch_completed.v1", "switch_rolled_back.v1"),
-           "A switch between deployments: planned, then completed or rolled back."),
+           ("switch_planned.v1", "switch_completed.v1", "switch_rolled_back.v1", "replica_restarted.v1"),
+           "A switch between deployments: planned, then completed or rolled back; and a replica of the deployment "
+           "in force started again after it fell silent."),
     _Group("plan.replica", lambda s: s.plan_event("replica"), "event", Subjects.stream_plans,
            ("replica_ready.v1", "replica_drained.v1"), "An engine host brought a replica up or released it."),
     _Group("plan.assignment", lambda s: s.plan_event("assignment"), "event", Subjects.stream_plans,

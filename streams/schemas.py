@@ -17,6 +17,7 @@ The JSON Schema of every message, grouped by subject, is `oserve schema` (`docs/
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated
 
 import msgspec
@@ -28,6 +29,8 @@ MAX_MESSAGE_BYTES = 256 * 1024
 MAX_TOKENS = 1 << 20
 """Largest token count (input, output, hint) a message may carry; more is absurd, not merely large."""
 MAX_ID_CHARS = 128
+MAX_TIMEOUT_S = 24 * 3600.0
+"""Longest wait a request may ask for (`SubmitRequest.timeout_s`)."""
 MAX_TAGS = 16
 CLIENT_TAG = "client"
 """The `SubmitRequest.tags` key naming who sent a request (an application, an API customer): the gateway
@@ -91,6 +94,10 @@ class SubmitRequest(_Msg, frozen=True, kw_only=True, tag="submit.v1"):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: StopSequences = []
+    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+    """How long (wall seconds, from its arrival at the gateway) the client waits for the answer. Past it,
+    the gateway and the engine stop working on the request and answer `deadline_exceeded` (nobody would
+    read a later answer); None: the gateway's `max_request_wall_s`."""
 
     def prompt_tokens(self) -> int:
         """Input length in tokens: the count given, else the text's approximate count. Pure."""
@@ -136,6 +143,12 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: StopSequences = []
+    fingerprint: str = ""
+    """What the request asks (`fingerprint`): the engine's stored answer is resent only for the same ask,
+    so a client reusing a request id for another prompt is served anew, never given the old answer."""
+    deadline_unix_s: float | None = None
+    """Unix time (wall seconds) after which nobody waits for the answer (the gateway's arrival time plus the
+    request's timeout): an engine refuses or aborts the request past it with `deadline_exceeded`."""
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
@@ -206,6 +219,8 @@ class AbortRequest(_Msg, frozen=True, kw_only=True, tag="abort.v1"):
     gateway_id: str
     reason: Annotated[str, Meta(max_length=64)] = ""
     """The client's `CancelRequest.reason`."""
+    answered: bool = False
+    """The gateway answered the client itself (`deadline_exceeded`): the engine drops the request silently."""
 
 
 class ErrorReply(_Msg, frozen=True, kw_only=True, tag="error.v1"):
@@ -227,6 +242,9 @@ class ErrorCode:
     INTERNAL = "internal"
     SHUTTING_DOWN = "shutting_down"
     CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    """The request's deadline (`SubmitRequest.timeout_s`, else the gateway's `max_request_wall_s`) passed
+    before it was answered: whoever held it (gateway or engine) stopped and answered this instead."""
 
 
 # --- events (JetStream) -----------------------------------------------------------------------------
@@ -270,6 +288,10 @@ class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
     items: list[Completion]
     released: list[str] = []
     """Request ids answered with an error (no numbers for the forecaster); the gateway forgets them too."""
+    requeue: list[str] = []
+    """Request ids the engine dropped unanswered because it fenced itself (its loop stalled for longer
+    than a gateway waits for a heartbeat, so they may be re-dispatched already): the gateway
+    re-dispatches each one it still holds on this replica."""
     clock_epoch_unix_s: float = 0.0
     """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
     clock_speedup: float = 1.0
@@ -462,8 +484,18 @@ class SwitchRolledBack(_Msg, frozen=True, kw_only=True, tag="switch_rolled_back.
     reason: str
 
 
+class ReplicaRestarted(_Msg, frozen=True, kw_only=True, tag="replica_restarted.v1"):
+    """A replica of the deployment in force fell silent (its engine host restarted empty, or lost it) and
+    the switch planner started it again on its host; not a switch: the deployment is the same."""
+
+    strategy_id: str
+    replica_id: str
+    silent_wall_s: float
+    """How long it had sent no heartbeat (wall seconds)."""
+
+
 HostCommand = StartReplica | DrainReplica
-SwitchEvent = SwitchPlanned | SwitchCompleted | SwitchRolledBack
+SwitchEvent = SwitchPlanned | SwitchCompleted | SwitchRolledBack | ReplicaRestarted
 ReplicaEvent = ReplicaReady | ReplicaDrained
 
 
@@ -498,6 +530,38 @@ def _edge_error(exc: msgspec.DecodeError) -> SchemaError:
     return SchemaError(ErrorCode.BAD_JSON, text)
 
 
+def fingerprint(req: SubmitRequest) -> str:
+    """A short digest of what a request asks: everything but its id, streaming and timeout (a client's retry
+    by `submit` or `stream`, or with a new timeout, is the same ask). Pure."""
+    ask = (req.prompt, req.input_tokens, req.max_tokens, req.output_hint_tokens, sorted(req.tags.items()),
+           req.sim_output_tokens, req.temperature, req.top_p, req.seed, req.stop)
+    return hashlib.blake2b(msgspec.json.encode(ask), digest_size=8).hexdigest()
+
+
+def _too_deep() -> SchemaError:
+    """msgspec decodes nested JSON recursively: JSON nested past the interpreter's recursion limit (about a
+    thousand levels, which no message of the bus has) is refused as malformed, not an internal error."""
+    return SchemaError(ErrorCode.BAD_JSON, "JSON nested too deeply")
+
+
+class _IdOnly(msgspec.Struct):
+    request_id: Id
+
+
+_id_decoder = msgspec.json.Decoder(_IdOnly)
+
+
+def request_id_of(data: bytes) -> str:
+    """The `request_id` of a message that failed to decode, when a top-level one can be read; "" otherwise.
+    Pure. An error reply then names the request it refuses (the client matches answers by inbox anyway)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        return ""
+    try:
+        return _id_decoder.decode(data).request_id
+    except (msgspec.DecodeError, RecursionError):
+        return ""
+
+
 def decode_submit(data: bytes) -> SubmitRequest | Ping:
     """Decode and validate a client's message strictly. Pure; raises `SchemaError`."""
     if len(data) > MAX_MESSAGE_BYTES:
@@ -506,6 +570,8 @@ def decode_submit(data: bytes) -> SubmitRequest | Ping:
         msg = _submit_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise _edge_error(exc) from None
+    except RecursionError:
+        raise _too_deep() from None
     if isinstance(msg, SubmitRequest):
         if (msg.prompt is None) == (msg.input_tokens is None):
             raise SchemaError(ErrorCode.INVALID, "give exactly one of `prompt` (text) and `input_tokens` (a count)")
@@ -528,6 +594,8 @@ def decode(data: bytes, kind: type[msgspec.Struct] | object) -> msgspec.Struct:
         return dec.decode(data)
     except msgspec.DecodeError as exc:
         raise _edge_error(exc) from None
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def decode_reply(data: bytes) -> Reply | ErrorReply | Pong | ReplyChunk:

@@ -119,9 +119,39 @@ class Subjects:
 
 
 def dedupe_key(reply: str, request_id: str) -> str:
-    """The key requests are de-duplicated on: the reply inbox's prefix and the request id. Pure.
+    """The key requests are de-duplicated on: the reply inbox's client part and the request id. Pure.
 
-    A client's inboxes share one prefix (one connection), so its retries and the gateway's re-dispatches
-    are duplicates, while another client reusing the request id is not (it never gets the first's reply).
+    A client's inboxes share one prefix (one connection: `<root>.<user>.<random>.<n>`, or nats-py's
+    `<root>.<random>.<n>`), so its retries and the gateway's re-dispatches are duplicates, while another
+    client reusing the request id is not (it never gets the first's reply). The client part is the inbox
+    without its last token; an inbox of two tokens (`_INBOX.<random>`, what nats-py's `new_inbox()` makes)
+    is its client's alone, so it is kept whole: dropping the last token would leave `_INBOX`, shared by
+    every such client.
     """
-    return f"{reply.rpartition('.')[0]} {request_id}"
+    head = reply.rpartition(".")[0]
+    return f"{head if '.' in head else reply} {request_id}"
+
+
+MAX_REPLY_CHARS = 256
+_REPLY_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def reply_error(reply: str, roots: tuple[str, ...]) -> str | None:
+    """Why `reply` may not be used as a request's reply subject, or None when it may. Pure.
+
+    The gateway forwards a client's reply subject to an engine, which publishes the answer there with a
+    worker's permissions; unchecked, a client could make a worker publish on any subject (a control
+    subject, a stream, a KV bucket, another client's inbox). A reply must be an inbox: one of `roots`
+    (`Subjects.reply_prefix()`, and nats-py's default `_INBOX` where allowed) followed by at least one
+    more token, every token letters, digits, `_` or `-` (no wildcard, no empty token).
+    """
+    if not reply:
+        return "no reply subject: nobody would receive the answer"
+    if len(reply) > MAX_REPLY_CHARS:
+        return f"reply subject longer than {MAX_REPLY_CHARS} characters"
+    root, _, rest = reply.partition(".")
+    if root not in roots or not rest:
+        return f"reply subject must be an inbox under {' or '.join(r + '.' for r in roots)}"
+    if not all(_REPLY_TOKEN_RE.match(t) for t in rest.split(".")):
+        return "reply subject tokens must be letters, digits, '_' or '-'"
+    return None

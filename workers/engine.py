@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -47,7 +49,7 @@ from oserve.observability.tracing import (GEN_AI_PROVIDER, extract, genai_span_n
                                           trace_headers)
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, AbortRequest, Completed, Completion, Dispatch, ErrorCode,
                                     ErrorReply, Heartbeat, Reply, ReplyChunk, SchemaError, Telemetry, decode, encode)
-from oserve.streams.subjects import Subjects, dedupe_key
+from oserve.streams.subjects import Subjects, dedupe_key, reply_error
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -78,17 +80,33 @@ class EngineWorkerConfig:
     drain_timeout_wall_s: float = 30.0
     stream_interval_s: float = 0.05
     """Clock seconds between two chunks of a streamed answer (a few decode steps of a 7B model)."""
+    max_waiting: int = 8192
+    """Requests waiting (not yet running) in the backend beyond which a new dispatch is refused `overloaded`
+    (the gateway refuses earlier, by the replica's measured rate; this bounds what a stale view lets in)."""
+    fence_after_wall_s: float = 1.5
+    """A replica whose own loop was stalled this long (no heartbeat sent for it: a paused process, a long
+    collection) may have been declared dead and its requests re-dispatched: it fences itself, dropping
+    what it holds unanswered and handing it back (`Completed.requeue`), so nothing is answered twice.
+    Keep it under the gateways' `heartbeat_timeout_wall_s` minus a heartbeat interval."""
+    reply_roots: tuple[str, ...] | None = None
+    """Inbox roots a dispatch's reply may start with (`oserve.streams.subjects.reply_error`); None: the
+    clients' prefix and `_INBOX`. A dispatch with another reply is dropped (it never came from a gateway)."""
 
     def __post_init__(self) -> None:
         self.subjects.replica(self.replica_id)  # validates the id as a subject token
         if self.backend not in ("sim", "echo"):
             raise ConfigError(f"EngineWorkerConfig.backend must be sim or echo, got {self.backend!r}")
         for name in ("heartbeat_interval_wall_s", "completion_flush_wall_s", "telemetry_interval_s",
-                     "drain_timeout_wall_s", "stream_interval_s"):
+                     "drain_timeout_wall_s", "stream_interval_s", "fence_after_wall_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dedupe_capacity < 1:
             raise ConfigError(f"EngineWorkerConfig.dedupe_capacity must be >= 1, got {self.dedupe_capacity}")
+        if self.max_waiting < 1:
+            raise ConfigError(f"EngineWorkerConfig.max_waiting must be >= 1, got {self.max_waiting}")
+        if self.fence_after_wall_s <= self.heartbeat_interval_wall_s:
+            raise ConfigError(f"EngineWorkerConfig.fence_after_wall_s ({self.fence_after_wall_s}) must exceed "
+                              f"heartbeat_interval_wall_s ({self.heartbeat_interval_wall_s})")
         if self.dedupe_max_bytes < 1:
             raise ConfigError(f"EngineWorkerConfig.dedupe_max_bytes must be >= 1, got {self.dedupe_max_bytes}")
 
@@ -103,6 +121,9 @@ class _InFlight:
     """Other reply subjects that asked for the same request while it ran (a client's retry)."""
     key: str = ""
     """The de-duplication key (`dedupe_key`)."""
+    fingerprint: str = ""
+    """`Dispatch.fingerprint`: its stored answer is resent only to the same ask."""
+    deadline_unix_s: float | None = None
     sent_tokens: int = 0
     """Streamed requests: tokens already sent in chunks."""
     sent_chars: int = 0
@@ -129,7 +150,8 @@ class EngineWorker(Worker):
         self._seq = 0
         self._inflight: dict[int, _InFlight] = {}  # seq -> request being served
         self._by_id: dict[str, int] = {}  # dedupe key -> seq, while in flight
-        self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # dedupe key -> reply
+        # dedupe key + " " + fingerprint -> reply
+        self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._answered_bytes = 0  # sum of len() of the replies in _answered
         self._completions: list[Completion] = []
         self._released: list[str] = []  # request ids answered with an error since the last flush
@@ -146,7 +168,14 @@ class EngineWorker(Worker):
         self.num_duplicates = 0
         self.num_cancelled = 0
         self.num_errors = 0
+        self.num_bad_reply = 0  # dispatches dropped for a reply subject that is not an inbox
+        self.num_expired = 0  # requests answered `deadline_exceeded` (refused or aborted at their deadline)
+        self.num_overloaded = 0
+        self.num_fenced = 0  # times this replica fenced itself after a stall
         self._window_e2e: list[float] = []
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline_unix_s, seq) of in-flight requests
+        self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
+        self._last_beat_wall_s: float | None = None  # loop time of the last heartbeat sent
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -189,7 +218,7 @@ class EngineWorker(Worker):
             payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.SHUTTING_DOWN,
                                         message=f"replica {self.config.replica_id} stopped before answering"))
             self._released.append(job.request_id)
-            self._remember(item.key, payload)
+            self._remember(f"{item.key} {item.fingerprint}", payload)
             if self.metrics is not None:
                 self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
             try:
@@ -231,20 +260,35 @@ class EngineWorker(Worker):
             await self._abort(d)
             return
         assert isinstance(d, Dispatch)
+        if msg.reply and reply_error(msg.reply, self._reply_roots) is not None:
+            self.num_bad_reply += 1  # not a gateway's dispatch: nothing is published to that subject
+            return
         key = dedupe_key(msg.reply, d.request_id)
-        cached = self._answered.get(key)
+        cached = self._answered.get(f"{key} {d.fingerprint}")
         if cached is not None or key in self._by_id:
             self.num_duplicates += 1
             if cached is not None:
                 # answered before: the gateway that sent it again holds a new entry, which no completion
-                # will clear unless it is released (it would be re-dispatched and served again)
-                self._released.append(d.request_id)
+                # will clear unless it is released (it would be re-dispatched and served again); released
+                # before the resend, as `_finish` does
+                await self._publish_completed([], [d.request_id])
             if cached is not None and msg.reply:
                 await self.nc.publish(msg.reply, cached)
             elif msg.reply:
                 item = self._inflight[self._by_id[key]]
                 if msg.reply != item.reply and msg.reply not in item.also_reply:
                     item.also_reply.append(msg.reply)  # a retry from a new inbox: answer it too, once
+            return
+        if d.deadline_unix_s is not None and time.time() >= d.deadline_unix_s:
+            self.num_expired += 1
+            await self._refuse(msg.reply, d.request_id, ErrorCode.DEADLINE_EXCEEDED,
+                               "the request's deadline passed before it reached its replica")
+            return
+        load = self.backend.load()
+        if load.num_waiting >= self.config.max_waiting:
+            self.num_overloaded += 1
+            await self._refuse(msg.reply, d.request_id, ErrorCode.OVERLOADED,
+                               f"replica {self.config.replica_id} has {load.num_waiting} requests waiting; retry later")
             return
         now_s = self.clock.now_s()
         self._seq += 1
@@ -268,8 +312,10 @@ class EngineWorker(Worker):
                                                                              message_id=d.request_id,
                                                                              body_size_bytes=len(msg.data))})
         self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers),
-                                            key=key)
+                                            key=key, fingerprint=d.fingerprint, deadline_unix_s=d.deadline_unix_s)
         self._by_id[key] = job.seq
+        if d.deadline_unix_s is not None:
+            heapq.heappush(self._deadlines, (d.deadline_unix_s, job.seq))
         self._idle.clear()
         if d.stream:
             self._streams.add(job.seq)
@@ -281,6 +327,83 @@ class EngineWorker(Worker):
             await self._finish(done)
         if self.backend.next_event_s() != self._waiting_for_s:
             self._wake.set()  # the step loop sleeps towards a stale time
+
+    async def _refuse(self, reply: str, request_id: str, code: str, message: str) -> None:
+        """Answer a dispatch with an error without serving it, and release it (the gateway forgets it)."""
+        self._released.append(request_id)
+        if reply:
+            await self.nc.publish(reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
+
+    async def _expire(self) -> None:
+        """Abort the in-flight requests whose deadline passed (nobody waits for them), answering
+        `deadline_exceeded` and releasing them."""
+        now_unix = time.time()
+        heap = self._deadlines
+        while heap and heap[0][0] <= now_unix:
+            _, seq = heapq.heappop(heap)
+            item = self._inflight.get(seq)
+            if item is None:
+                continue  # answered already
+            self.num_expired += 1
+            payload = encode(ErrorReply(request_id=item.job.request_id, code=ErrorCode.DEADLINE_EXCEEDED,
+                                        message="the request's deadline passed before its answer was ready"))
+            await self._drop(item, reason="deadline_exceeded", payload=payload)
+            self._released.append(item.job.request_id)
+
+    async def _drop(self, item: _InFlight, *, reason: str, payload: bytes | None) -> None:
+        """Take one in-flight request out of the backend (freeing its KV) and end it; `payload` goes to its
+        inboxes (None: silence). Its answer is not stored: the same id sent again is served anew."""
+        job = item.job
+        self._inflight.pop(job.seq, None)
+        self._by_id.pop(item.key, None)
+        self._streams.discard(job.seq)
+        done = self.backend.cancel(job.seq, self.clock.now_s())
+        if self.metrics is not None:
+            self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
+        if payload is not None:
+            for reply in ([item.reply] if item.reply else []) + item.also_reply:
+                await self.nc.publish(reply, payload)
+        if item.span is not None:
+            item.span.set_attributes({"oserve.cancelled": reason, "gen_ai.response.finish_reasons": ("abort",),
+                                      "oserve.output_tokens": item.sent_tokens})
+            item.span.end()
+        if done:
+            await self._finish(done)
+        if not self._inflight:
+            self._idle.set()
+        if self.backend.next_event_s() != self._waiting_for_s:
+            self._wake.set()
+
+    def _stalled(self) -> bool:
+        """Whether this replica's loop went longer without sending a heartbeat than `fence_after_wall_s`."""
+        last = self._last_beat_wall_s
+        return last is not None and asyncio.get_running_loop().time() - last > self.config.fence_after_wall_s
+
+    async def _fence(self) -> None:
+        """After a stall (`fence_after_wall_s`): drop everything in flight unanswered and hand it back to the
+        gateway (`Completed.requeue`), then announce this replica alive again. What a gateway re-dispatched
+        while it was silent is served by the other replica alone; the rest is dispatched again."""
+        self.num_fenced += 1
+        items = list(self._inflight.values())
+        log.warning("%s: stalled for more than %.1f s; fencing: %d requests handed back", self.config.replica_id,
+                    self.config.fence_after_wall_s, len(items))
+        self._last_beat_wall_s = asyncio.get_running_loop().time()  # one fence per stall
+        self._inflight, self._streams, self._deadlines = {}, set(), []
+        self._by_id.clear()
+        now_s = self.clock.now_s()
+        for item in items:  # what the backend finishes meanwhile names no request in flight: ignored
+            self.backend.cancel(item.job.seq, now_s)
+            if item.span is not None:
+                item.span.set_attribute("oserve.cancelled", "fenced")
+                item.span.end()
+        requeue = [item.job.request_id for item in items]
+        self._idle.set()
+        self._wake.set()
+        for i in range(0, len(requeue), EVENT_BATCH_ITEMS):
+            await self.nc.publish(self.config.subjects.completions(), encode(Completed(
+                replica_id=self.config.replica_id, items=[], requeue=requeue[i:i + EVENT_BATCH_ITEMS],
+                **self.clock.stamp())))
+        await self._send_heartbeat()
 
     async def _send_chunk(self, item: _InFlight, tokens: int, now_s: float) -> None:
         """Send the tokens of a streamed answer produced since its last chunk, up to `tokens`."""
@@ -295,34 +418,19 @@ class EngineWorker(Worker):
             await self.nc.publish(item.reply, encode(chunk))
 
     async def _abort(self, a: AbortRequest) -> None:
-        """Drop a request its client cancelled (see the module docstring); one not in flight here is ignored."""
-        key = dedupe_key(a.inbox, a.request_id)
-        seq = self._by_id.pop(key, None)
+        """Drop a request its client cancelled (see the module docstring); one not in flight here is ignored.
+
+        Not in `_released`: the gateway that sent the abort forgot the request already, and a release
+        arriving after the client sent the same id again would make it forget the new one. With
+        `AbortRequest.answered` (the gateway answered its deadline) the inboxes get nothing more."""
+        seq = self._by_id.get(dedupe_key(a.inbox, a.request_id))
         if seq is None:
             return  # answered already, or never here
-        item = self._inflight.pop(seq)
-        self._streams.discard(seq)
         self.num_cancelled += 1
-        done = self.backend.cancel(seq, self.clock.now_s())
-        # not in `_released`: the gateway that sent the abort forgot the request already, and a release
-        # arriving after the client sent the same id again would make it forget the new one
-        if self.metrics is not None:
-            self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
-        payload = encode(ErrorReply(request_id=a.request_id, code=ErrorCode.CANCELLED,
-                                    message=f"cancelled by its client ({a.reason or 'no reason given'})"))
-        for reply in ([item.reply] if item.reply else []) + item.also_reply:
-            await self.nc.publish(reply, payload)  # the inbox is likely abandoned; a retry's is not
-        if item.span is not None:
-            item.span.set_attributes({"oserve.cancelled": a.reason or "cancelled",
-                                      "gen_ai.response.finish_reasons": ("abort",),
-                                      "oserve.output_tokens": item.sent_tokens})
-            item.span.end()
-        if done:
-            await self._finish(done)
-        if not self._inflight:
-            self._idle.set()
-        if self.backend.next_event_s() != self._waiting_for_s:
-            self._wake.set()  # the run the step loop sleeps towards was cut or emptied
+        payload = None if a.answered else encode(ErrorReply(
+            request_id=a.request_id, code=ErrorCode.CANCELLED,
+            message=f"cancelled by its client ({a.reason or 'no reason given'})"))
+        await self._drop(self._inflight[seq], reason=a.reason or "cancelled", payload=payload)
 
     async def _send_chunks(self, now_s: float) -> None:
         """One chunk pass: each streamed request with new tokens gets them, at most once per interval
@@ -353,6 +461,16 @@ class EngineWorker(Worker):
             self._answered_bytes -= len(dropped)
 
     async def _finish(self, done: list[Finished]) -> None:
+        """Answer what the backend finished. The `Completed` naming them goes out before their replies, with
+        no await in between that could let anything run (nats-py queues both in one write), so a crash
+        loses both or neither: the gateway never re-dispatches an answered request, nor forgets an
+        unanswered one. After a stall the replica fences itself first (`fence_after_wall_s`)."""
+        if self._stalled():
+            await self._fence()
+            return
+        ended: list[tuple[_InFlight, Finished, bytes]] = []
+        completions: list[Completion] = []
+        released: list[str] = []
         for f in done:
             item = self._inflight.pop(f.seq, None)
             if item is None:
@@ -363,7 +481,7 @@ class EngineWorker(Worker):
             self._streams.discard(job.seq)
             if f.error:
                 payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.INVALID, message=f.error))
-                self._released.append(job.request_id)
+                released.append(job.request_id)
             else:
                 ttft_s, e2e_s = f.first_token_s - job.arrival_s, f.finish_s - job.arrival_s
                 if streamed and f.output_tokens > item.sent_tokens:  # the rest before the final reply
@@ -372,12 +490,17 @@ class EngineWorker(Worker):
                                        input_tokens=job.input_tokens, output_tokens=f.output_tokens,
                                        type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
                                        text=self.backend.text(job.seq, 0, f.output_tokens) if job.detokenize else ""))
-                self._completions.append(Completion(
+                completions.append(Completion(
                     request_id=job.request_id, replica_id=self.config.replica_id, input_tokens=job.input_tokens,
                     output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
                     finished_at_s=f.finish_s))
                 self._window_e2e.append(e2e_s)
-            self._remember(item.key, payload)
+            self._remember(f"{item.key} {item.fingerprint}", payload)
+            ended.append((item, f, payload))
+        if completions or released:
+            await self._publish_completed(completions, released)
+        for item, f, payload in ended:
+            job = item.job
             if item.reply:
                 headers = inject(item.span) if item.span is not None else item.headers
                 await self.nc.publish(item.reply, payload, headers=headers)
@@ -434,6 +557,9 @@ class EngineWorker(Worker):
     async def _flush_completions(self) -> None:
         items, self._completions = self._completions, []
         released, self._released = self._released, []
+        await self._publish_completed(items, released)
+
+    async def _publish_completed(self, items: list[Completion], released: list[str]) -> None:
         for i in range(0, max(len(items), len(released)), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.completions(), encode(Completed(
                 replica_id=self.config.replica_id, items=items[i:i + EVENT_BATCH_ITEMS],
@@ -442,9 +568,15 @@ class EngineWorker(Worker):
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.completion_flush_wall_s)
+            if self._deadlines and self._deadlines[0][0] <= time.time():
+                await self._expire()
             await self._flush_completions()
 
     async def _send_heartbeat(self) -> None:
+        if self._stalled() and self._inflight:
+            await self._fence()  # it sends the heartbeat
+            return
+        self._last_beat_wall_s = asyncio.get_running_loop().time()
         load = self.backend.load()
         if self.metrics is not None:
             self.metrics.engine_load(self.config.sim.model, self.config.replica_id, num_running=load.num_running,

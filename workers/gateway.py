@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import logging
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -56,8 +58,9 @@ from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
 from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Arrival, Arrived, AssignmentSet,
                                     CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Ping, Pong,
-                                    SchemaError, decode, decode_submit, encode)
-from oserve.streams.subjects import Subjects, dedupe_key
+                                    SchemaError, SubmitRequest, decode, decode_submit, encode, fingerprint,
+                                    request_id_of)
+from oserve.streams.subjects import Subjects, dedupe_key, reply_error
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 from oserve.online_types import OnlineTypes
@@ -96,8 +99,24 @@ class GatewayConfig:
     """Accepted requests are batched into one `Arrived` event for at most this long."""
     max_attempts: int = 3
     """Dispatches of one request before it is answered with an error."""
-    max_pending: int = 200_000
-    """Requests this gateway owns at once (forwarded, not yet completed); beyond it new ones are refused."""
+    max_pending: int = 50_000
+    """Requests this gateway owns at once (forwarded, not yet completed); beyond it new ones are refused
+    `overloaded` (a backstop: admission by each replica's queue comes first, see `max_queue_wall_s`)."""
+    max_request_wall_s: float = 600.0
+    """Deadline of a request that gives no `timeout_s` (wall seconds from its arrival here); a request's
+    own `timeout_s` is capped by it too."""
+    max_queue_wall_s: float | None = None
+    """A new request is refused `overloaded` when the replica it would go to already holds more waiting
+    work than it serves in this many wall seconds (its completions rate, measured from `Completed` over
+    the last `rate_window_wall_s`), so an overload is refused within seconds instead of queueing for
+    minutes; None: the request's own deadline."""
+    max_waiting_per_replica: int = 4096
+    """Requests waiting (not running) at one replica, as its heartbeat reports plus what was sent since,
+    beyond which new ones are refused `overloaded` whatever its rate (before any rate is measured)."""
+    rate_window_wall_s: float = 10.0
+    reply_roots: tuple[str, ...] | None = None
+    """First tokens a request's reply subject may start with (see `oserve.streams.subjects.reply_error`);
+    None: the clients' prefix (`Subjects.reply_prefix()`) and nats-py's default `_INBOX`."""
     max_client_tags: int = 256
     """Distinct `client` tags the estimator learns by (each one is a feature of its regressor); requests
     with a tag beyond them are classed as untagged, so a client minting tags cannot grow the model."""
@@ -106,9 +125,16 @@ class GatewayConfig:
         for name in ("max_context_tokens", "max_attempts", "max_pending", "max_client_tags"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s"):
+        for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s",
+                     "max_request_wall_s", "rate_window_wall_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queue_wall_s is not None and not self.max_queue_wall_s > 0:
+            raise ConfigError(f"GatewayConfig.max_queue_wall_s must be > 0 or None, got {self.max_queue_wall_s}")
+        if self.max_waiting_per_replica < 1:
+            raise ConfigError(f"GatewayConfig.max_waiting_per_replica must be >= 1, got {self.max_waiting_per_replica}")
+        if self.reply_roots is not None and not self.reply_roots:
+            raise ConfigError("GatewayConfig.reply_roots must name at least one inbox root (or be None)")
         if not self.no_replica_wait_wall_s >= 0:
             raise ConfigError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
 
@@ -122,12 +148,16 @@ class _Replica:
     alive: bool = True
     reported_kv_frac: float = 0.0
     reported_requests: int = 0
+    reported_waiting: int = 0
     num_running: int = 0
     kv_capacity_tokens: int = 0
     sent_tokens: int = 0
     """Tokens (input plus expected output) dispatched here since its last heartbeat."""
     sent_requests: int = 0
     incoming_kv_tokens: int = 0
+    completions: collections.deque = field(default_factory=collections.deque)
+    """(wall time, requests) of its `Completed` events over the last `rate_window_wall_s`."""
+    first_completion_wall_s: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -141,6 +171,19 @@ class _Replica:
     @property
     def num_requests(self) -> int:
         return self.reported_requests + self.sent_requests
+
+    @property
+    def num_waiting(self) -> int:
+        return self.reported_waiting + self.sent_requests
+
+    def served_per_s(self, now: float, window_s: float) -> float | None:
+        """Requests it finished per wall second over the last `window_s`, or None before a full second of them."""
+        c = self.completions
+        while c and now - c[0][0] > window_s:
+            c.popleft()
+        if self.first_completion_wall_s is None or now - self.first_completion_wall_s < 1.0:
+            return None
+        return sum(n for _, n in c) / min(window_s, now - self.first_completion_wall_s)
 
 
 @dataclass(slots=True)
@@ -157,6 +200,10 @@ class _Pending:
     """The max tokens the client sent (None: none); with `tag`, what the estimator learns from at completion."""
     wait_until_wall_s: float | None = None
     """Set while a request never dispatched waits for a replica: answered `no_replica` after this time."""
+    deadline_wall_s: float = float("inf")
+    """Loop time past which nobody waits for the answer (its `timeout_s`, or `max_request_wall_s`)."""
+    fingerprint: str = ""
+    """What the request asks (`oserve.streams.schemas.fingerprint`): a reused id with other content is refused."""
 
 
 class Gateway(Worker):
@@ -195,6 +242,13 @@ class Gateway(Worker):
         self._early_cancels: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self.num_declared_dead = 0  # replicas declared dead for missing heartbeats (a replica may come back)
         self.num_errors = 0
+        self.num_bad_reply = 0  # requests dropped for a reply subject that is not an inbox (nothing is sent there)
+        self.num_expired = 0  # requests answered `deadline_exceeded` here
+        self.num_requeued = 0  # requests a fenced engine handed back (`Completed.requeue`)
+        self.num_disconnects = 0  # liveness checks that found this gateway itself cut off from NATS
+        self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
+        self._disconnected = False
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -295,6 +349,7 @@ class Gateway(Worker):
     def _report_load(r: _Replica, hb: Heartbeat) -> None:
         """A heartbeat's load replaces what the gateway had estimated since the last one."""
         r.reported_kv_frac, r.reported_requests = hb.kv_load_frac, hb.num_waiting + hb.num_running
+        r.reported_waiting = hb.num_waiting
         r.num_running, r.kv_capacity_tokens = hb.num_running, hb.kv_capacity_tokens
         r.sent_tokens = r.sent_requests = 0
 
@@ -346,16 +401,30 @@ class Gateway(Worker):
             log.exception("%s: submit handler failed", self.config.gateway_id)
             if self.metrics is not None:
                 self.metrics.rejected.labels(ErrorCode.INTERNAL).inc()
-            if msg.reply:
-                await self.nc.publish(msg.reply, encode(ErrorReply(code=ErrorCode.INTERNAL,
+            if msg.reply and reply_error(msg.reply, self._reply_roots) is None:
+                await self.nc.publish(msg.reply, encode(ErrorReply(request_id=request_id_of(msg.data),
+                                                                   code=ErrorCode.INTERNAL,
                                                                    message=type(exc).__name__)))
 
     async def _reject(self, msg: Msg, request_id: str, code: str, message: str) -> None:
         self.num_rejected += 1
         if self.metrics is not None:
             self.metrics.rejected.labels(code).inc()
-        if msg.reply:
+        if msg.reply and reply_error(msg.reply, self._reply_roots) is None:
             await self.nc.publish(msg.reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
+
+    def _overloaded(self, replica_id: str, deadline_s: float, now: float) -> str | None:
+        """Why a new request may not join the replica's queue, or None (see `GatewayConfig.max_queue_wall_s`)."""
+        r = self._replicas[replica_id]
+        waiting = r.num_waiting
+        if waiting >= self.config.max_waiting_per_replica:
+            return f"{waiting} requests wait at replica {replica_id}; retry later"
+        rate = r.served_per_s(now, self.config.rate_window_wall_s)
+        limit_s = self.config.max_queue_wall_s if self.config.max_queue_wall_s is not None else deadline_s
+        if rate is not None and waiting > rate * limit_s:
+            return (f"{waiting} requests wait at replica {replica_id}, which serves {rate:.1f} per second: the "
+                    f"request would wait longer than {limit_s:g} s; retry later")
+        return None
 
     async def _handle_submit(self, msg: Msg) -> None:
         span = None
@@ -367,19 +436,31 @@ class Gateway(Worker):
                                                       **messaging_attributes(msg.subject, "process", "process",
                                                                              body_size_bytes=len(msg.data))})
         try:
+            bad_reply = reply_error(msg.reply, self._reply_roots)
+            if bad_reply is not None:
+                # never publish to it: it could be a control subject, a stream, another client's inbox
+                self.num_bad_reply += 1
+                self.num_rejected += 1
+                if self.metrics is not None:
+                    self.metrics.rejected.labels(ErrorCode.INVALID).inc()
+                if span is not None:
+                    span.add_event("invalid_reply_subject", {"reason": bad_reply})
+                    span.set_status(Status(StatusCode.ERROR, "invalid reply subject"))
+                log.debug("%s: dropped a request: %s", self.config.gateway_id, bad_reply)
+                return
             try:
                 req = decode_submit(msg.data)
             except SchemaError as exc:
                 if span is not None:
                     span.add_event("invalid_request", {"code": exc.code})
                     span.set_status(Status(StatusCode.ERROR, exc.code))
-                await self._reject(msg, "", exc.code, exc.message)
+                await self._reject(msg, request_id_of(msg.data), exc.code, exc.message)
                 return
             if isinstance(req, Ping):
-                if msg.reply:
-                    await self.nc.publish(msg.reply, encode(Pong(gateway_id=self.config.gateway_id,
-                                                                 num_replicas=len(self._eligible))))
+                await self.nc.publish(msg.reply, encode(Pong(gateway_id=self.config.gateway_id,
+                                                             num_replicas=len(self._eligible))))
                 return
+            assert isinstance(req, SubmitRequest)
             cancelled_at = self._early_cancels.pop((msg.reply, req.request_id), None) if self._early_cancels else None
             if cancelled_at is not None and asyncio.get_running_loop().time() - cancelled_at <= EARLY_CANCEL_WALL_S:
                 # cancelled by its client before it got here (the exact inbox: a resend of the id is served)
@@ -403,12 +484,18 @@ class Gateway(Worker):
                                      "oserve.input_tokens": input_tokens, "messaging.message.id": req.request_id,
                                      "gen_ai.operation.name": "text_completion",
                                      "gen_ai.request.max_tokens": max_tokens})
+            ask = fingerprint(req)
             existing = self.pending.get(req.request_id)
             if existing is not None:
                 if dedupe_key(msg.reply, "") != dedupe_key(existing.reply, ""):
                     # another client (another inbox) chose the same id: it must never get the first one's answer
                     await self._reject(msg, req.request_id, ErrorCode.INVALID,
                                        "request id already in flight for another client; choose a unique id")
+                    return
+                if ask != existing.fingerprint:
+                    # the same client reusing an id for another ask: neither answer may stand for the other
+                    await self._reject(msg, req.request_id, ErrorCode.INVALID,
+                                       "request id already in flight with other content; choose a unique id")
                     return
                 if existing.wait_until_wall_s is not None:
                     # a retry of a request held since it came in: answered on the retry's inbox, in time
@@ -427,21 +514,30 @@ class Gateway(Worker):
                 await self._reject(msg, req.request_id, ErrorCode.OVERLOADED,
                                    f"{len(self.pending)} requests in flight at this gateway; retry later")
                 return
+            now = asyncio.get_running_loop().time()
+            timeout_s = min(req.timeout_s or cfg.max_request_wall_s, cfg.max_request_wall_s)
             replica_id = self._route(type_index)
             if replica_id is None and cfg.no_replica_wait_wall_s == 0:
                 await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")
                 return
+            if replica_id is not None:
+                why = self._overloaded(replica_id, timeout_s, now)
+                if why is not None:
+                    await self._reject(msg, req.request_id, ErrorCode.OVERLOADED, why)
+                    return
             d = Dispatch(request_id=req.request_id, input_tokens=input_tokens, max_tokens=max_tokens,
                          type_index=type_index, gateway_id=cfg.gateway_id, sim_output_tokens=req.sim_output_tokens,
                          stream=req.stream, detokenize=req.prompt is not None, temperature=req.temperature,
-                         top_p=req.top_p, seed=req.seed, stop=req.stop)
+                         top_p=req.top_p, seed=req.seed, stop=req.stop, fingerprint=ask,
+                         deadline_unix_s=time.time() + timeout_s)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
                 if span is not None:
                     span.add_event("waiting_for_replica")
                 self.pending[req.request_id] = _Pending(d, msg.reply, headers, None, est, tag, req.max_tokens,
-                                                        wait_until_wall_s=(asyncio.get_running_loop().time()
-                                                                           + cfg.no_replica_wait_wall_s))
+                                                        wait_until_wall_s=now + min(cfg.no_replica_wait_wall_s,
+                                                                                    timeout_s),
+                                                        deadline_wall_s=now + timeout_s, fingerprint=ask)
                 self._maybe_unrouted = True
             else:
                 if span is not None:
@@ -451,8 +547,10 @@ class Gateway(Worker):
                 await self.nc.publish(cfg.subjects.replica(replica_id), encode(d), reply=msg.reply,
                                       headers=dict(headers) if headers else None)
                 self.pending[req.request_id] = pending = _Pending(d, msg.reply, headers, replica_id, est, tag,
-                                                                  req.max_tokens)
+                                                                  req.max_tokens, deadline_wall_s=now + timeout_s,
+                                                                  fingerprint=ask)
                 self._sent(replica_id, pending)
+            heapq.heappush(self._deadlines, (now + timeout_s, req.request_id))
             self.num_accepted += 1
             if self.metrics is not None:
                 self.metrics.accepted.inc()
@@ -504,6 +602,12 @@ class Gateway(Worker):
             return
         assert isinstance(c, Completed)
         pending = self.pending
+        r = self._replicas.get(c.replica_id)
+        if r is not None and c.items:
+            now = asyncio.get_running_loop().time()
+            r.completions.append((now, len(c.items)))
+            if r.first_completion_wall_s is None:
+                r.first_completion_wall_s = now
         for item in c.items:
             p = pending.pop(item.request_id, None)
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
@@ -511,6 +615,11 @@ class Gateway(Worker):
                                          max_tokens=p.sent_max_tokens if p else None)
         for request_id in c.released:  # answered with an error, or from the cache: not to be re-dispatched
             pending.pop(request_id, None)
+        for request_id in c.requeue:  # dropped unanswered by a fenced engine: dispatched again, if still there
+            p = pending.get(request_id)
+            if p is not None and p.replica_id == c.replica_id:
+                self.num_requeued += 1
+                await self._redispatch(request_id, p)
 
     # --- nothing lost --------------------------------------------------------------------------------
 
@@ -568,13 +677,71 @@ class Gateway(Worker):
                 await self.nc.publish(p.reply, encode(ErrorReply(request_id=rid, code=ErrorCode.NO_REPLICA,
                                                                  message=message)))
 
+    async def _expire(self, now: float) -> None:
+        """Answer `deadline_exceeded` to what nobody waits for any more: a request held here (no replica took
+        it) at its deadline; a dispatched one a grace period later (its engine answers at the deadline
+        itself; one that has not by then is gone), with an `AbortRequest` so a late engine stays silent."""
+        grace = self.config.heartbeat_timeout_wall_s + 1.0
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            t, rid = heapq.heappop(heap)
+            p = self.pending.get(rid)
+            if p is None or t < p.deadline_wall_s:
+                continue  # answered, or the id was reused later: a stale entry
+            if p.replica_id is not None and t < p.deadline_wall_s + grace:
+                heapq.heappush(heap, (p.deadline_wall_s + grace, rid))
+                continue
+            del self.pending[rid]
+            self.num_expired += 1
+            self.num_failed += 1
+            if self.metrics is not None:
+                self.metrics.failed.labels(ErrorCode.DEADLINE_EXCEEDED).inc()
+            if p.replica_id is not None:
+                await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
+                    request_id=rid, inbox=p.reply, gateway_id=self.config.gateway_id, reason="deadline_exceeded",
+                    answered=True)))
+            await self.nc.publish(p.reply, encode(ErrorReply(
+                request_id=rid, code=ErrorCode.DEADLINE_EXCEEDED,
+                message="no answer before the request's deadline" if p.replica_id is None else
+                f"replica {p.replica_id} did not answer before the request's deadline")))
+
+    async def _resend_dispatched(self) -> None:
+        """After this gateway was cut off from NATS, send every dispatched request again to its replica: a
+        dispatch, or its answer's `Completed`, may have been lost with the connection. The engine serves
+        each once (`dedupe_key`): one still in flight is not served again, one answered is answered from
+        its cache and released."""
+        for rid, p in list(self.pending.items()):
+            if p.replica_id is not None and self.pending.get(rid) is p:
+                await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(p.dispatch), reply=p.reply,
+                                      headers=dict(p.headers) if p.headers else None)
+
     async def _liveness_loop(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.config.liveness_check_wall_s
+        resend_at: float | None = None
         while True:
             before = loop.time()
             await asyncio.sleep(interval)
             now = loop.time()
+            if not self.nc.is_connected:
+                # cut off itself: no replica's silence means anything now, and nothing can be answered
+                if not self._disconnected:
+                    self._disconnected = True
+                    self.num_disconnects += 1
+                    log.warning("%s: disconnected from NATS; failure detection paused", self.config.gateway_id)
+                continue
+            if self._disconnected:  # back: every replica gets a fresh timeout, and what was sent goes again
+                self._disconnected = False
+                for r in self._replicas.values():
+                    r.last_seen_wall_s = now
+                self._last_heartbeat_read_wall_s = now
+                resend_at = now + max(1.0, 2 * interval)  # once the engines have subscribed again
+                continue
+            if resend_at is not None and now >= resend_at:
+                resend_at = None
+                await self._resend_dispatched()
+            if self._deadlines and self._deadlines[0][0] <= now:
+                await self._expire(now)
             # lateness during which no heartbeat (of any replica) was read: the gateway could not read
             # then, so it is not the replicas' silence; a loop that is only busy keeps reading
             read_gap = max(self._heartbeat_read_gap_s, now - self._last_heartbeat_read_wall_s)

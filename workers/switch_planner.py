@@ -8,6 +8,11 @@ drains them again and publishes `SwitchRolledBack`, the old deployment serving t
 that keeps the same replicas only re-routes: the assignment goes out and no switch event does, so a
 telemetry consumer counts switches by counting `SwitchPlanned`.
 (The engines here still take the modelled transfer time rather than moving the bytes.)
+
+Between switches it keeps the deployment in force alive: a replica of it silent (no heartbeat) for
+`restart_after_wall_s` — its engine host was killed and restarted empty, or lost the replica — is
+started again on its host (`StartReplica`, a reload: `ENGINE_START_S` of clock time), at most once per
+`restart_after_wall_s`, and each such restart is published as `ReplicaRestarted`.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry.trace import SpanKind, Tracer
 
-from oserve.defaults import GPUS_PER_NODE
+from oserve.defaults import ENGINE_START_S, GPUS_PER_NODE
 from oserve.errors import ConfigError, OServeError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
-from oserve.streams.schemas import (AssignmentSet, DrainReplica, ReplicaDrained, ReplicaEvent, ReplicaReady,
-                                    ReplicaSpec, StartReplica, StrategyChosen, SwitchCompleted,
-                                    SwitchPlanned, SwitchRolledBack, encode)
+from oserve.streams.schemas import (AssignmentSet, DrainReplica, Heartbeat, ReplicaDrained, ReplicaEvent,
+                                    ReplicaReady, ReplicaRestarted, ReplicaSpec, StartReplica, StrategyChosen,
+                                    SwitchCompleted, SwitchPlanned, SwitchRolledBack, encode)
 from oserve.streams.subjects import Subjects
 from oserve.switch import SwitchPlan, plan_switch
 from oserve.workers.base import Worker
@@ -52,10 +57,18 @@ class SwitchPlannerConfig:
     gpus_per_node: int = GPUS_PER_NODE
     ready_slack_wall_s: float = 5.0
     """Wall seconds allowed beyond the modelled switch time before a switch is rolled back."""
+    restart_after_wall_s: float = 3.0
+    """A serving replica silent this long (wall seconds; longer than a gateway waits before declaring it
+    dead) is started again on its host; 0 turns this off."""
+    restart_ready_after_s: float = ENGINE_START_S
+    """The modelled time (clock seconds) a restarted replica takes to come up."""
 
     def __post_init__(self) -> None:
         if not self.host_ids or self.gpus_per_node < 1 or self.ready_slack_wall_s <= 0:
             raise ConfigError(f"SwitchPlannerConfig: invalid values {self}")
+        if not self.restart_after_wall_s >= 0 or not self.restart_ready_after_s >= 0:
+            raise ConfigError(f"SwitchPlannerConfig: restart_after_wall_s and restart_ready_after_s must be >= 0, "
+                              f"got {self.restart_after_wall_s}, {self.restart_ready_after_s}")
 
 
 class SwitchPlannerWorker(Worker):
@@ -78,14 +91,45 @@ class SwitchPlannerWorker(Worker):
         self._ready: set[str] = set()
         self._ready_changed = asyncio.Event()
         self.events: list[str] = []  # switch event tags in order, for views and tests
+        self._heard_wall_s: dict[str, float] = {}  # replica_id -> loop time of its last heartbeat
+        self._restarted_wall_s: dict[str, float] = {}  # replica_id -> loop time it was last started again
+        self._switching = False
+        self.num_restarts = 0
 
     async def _subscribe(self) -> list:
         s = self.config.subjects
         return [await self.nc.subscribe(s.plan_event("strategy"), cb=self.typed(StrategyChosen, self._on_strategy)),
-                await self.nc.subscribe(s.plan_event("replica"), cb=self.typed(ReplicaEvent, self._on_replica))]
+                await self.nc.subscribe(s.plan_event("replica"), cb=self.typed(ReplicaEvent, self._on_replica)),
+                await self.nc.subscribe(s.heartbeats(), cb=self.typed(Heartbeat, self._on_heartbeat))]
 
     def _loops(self):
-        return [self._switch_loop]
+        return [self._switch_loop] + ([self._restart_loop] if self.config.restart_after_wall_s > 0 else [])
+
+    async def _on_heartbeat(self, hb: Heartbeat, msg: Msg) -> None:
+        self._heard_wall_s[hb.replica_id] = asyncio.get_running_loop().time()
+
+    async def _restart_loop(self) -> None:
+        """Start again every replica of the deployment in force that fell silent (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        after = self.config.restart_after_wall_s
+        began = loop.time()
+        while True:
+            await asyncio.sleep(min(1.0, after / 3))
+            if self._switching or not self.nc.is_connected:
+                continue  # a switch starts and drains replicas itself; cut off, every replica looks silent
+            now = loop.time()
+            for rid, spec in list(self.current.items()):
+                heard = self._heard_wall_s.get(rid, began)
+                if now - max(heard, self._restarted_wall_s.get(rid, began)) <= after:
+                    continue
+                self._restarted_wall_s[rid] = now
+                self._ready.discard(rid)
+                self.num_restarts += 1
+                log.warning("switch planner: replica %s silent for %.1f s; starting it again", rid, now - heard)
+                await self._command(spec, StartReplica(strategy_id=self.strategy_id, replica=spec,
+                                                       ready_after_s=self.config.restart_ready_after_s), None)
+                await self._publish_switch(ReplicaRestarted(strategy_id=self.strategy_id, replica_id=rid,
+                                                            silent_wall_s=now - heard), None)
 
     async def _on_strategy(self, s: StrategyChosen, msg: Msg) -> None:
         self._queue.put_nowait((s, msg.headers))
@@ -107,12 +151,18 @@ class SwitchPlannerWorker(Worker):
             while not self._queue.empty():  # only the latest strategy matters
                 s, headers = self._queue.get_nowait()
             try:
+                self._switching = True
                 await self.switch(s, headers)
             except Exception:  # outermost: report and keep the old deployment
                 log.exception("switch planner: switch to %s failed", s.strategy_id)
                 await self._publish_switch(SwitchRolledBack(strategy_id=s.strategy_id, reason="internal error"), None)
                 if self.metrics is not None:
                     self.metrics.switches.labels("rolled_back").inc()
+            finally:
+                self._switching = False
+                now = asyncio.get_running_loop().time()
+                for rid in self.current:  # a replica the switch just started gets a full timeout
+                    self._heard_wall_s.setdefault(rid, now)
 
     async def _publish_switch(self, ev, headers) -> None:
         tag = ev.__struct_config__.tag

@@ -1,0 +1,368 @@
+"""Faults and hostile input against a real nats-server: each case is a finding of the adversarial test of
+issue 14, kept as a regression test (nothing lost, nothing answered twice, no subject but an inbox replied to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from contextlib import AsyncExitStack
+
+import nats
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from oserve.streams.client import OServeClient, RequestRejected
+from oserve.streams.schemas import (Completed, Dispatch, ErrorCode, ErrorReply, Reply, ReplicaSpec, StrategyChosen,
+                                    SubmitRequest, decode, decode_reply, decode_submit, encode, request_id_of)
+from oserve.streams.subjects import dedupe_key, reply_error
+from oserve.streams.testing import running_server, unique_subjects, wait_until
+from oserve.workers.clock import Clock
+from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+from oserve.workers.engine_host import EngineHost, EngineHostConfig
+from oserve.workers.gateway import Gateway, GatewayConfig
+from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
+
+FAST_HB = dict(heartbeat_interval_wall_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from running_server()
+
+
+async def start_system(stack: AsyncExitStack, url: str, replica_ids=("r0",), speedup: float = 50.0,
+                       gateway_kwargs=None, engine_kwargs=None):
+    subjects = unique_subjects()
+    nc = await nats.connect(url)
+    stack.push_async_callback(nc.close)
+    clock = Clock(speedup=speedup)
+    engines = []
+    for rid in replica_ids:
+        cfg = EngineWorkerConfig(rid, subjects=subjects, **{**FAST_HB, **(engine_kwargs or {})})
+        engines.append(await stack.enter_async_context(EngineWorker(nc, cfg, clock)))
+    gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects, **(gateway_kwargs or {})),
+                                                 clock))
+    await gw.wait_for_replicas(len(replica_ids), 5.0)
+    return nc, subjects, gw, engines, OServeClient(nc, subjects, default_timeout_s=10.0)
+
+
+class Tap:
+    """Every message on a set of subjects, by subject (a wildcard subscription on its own connection)."""
+
+    def __init__(self) -> None:
+        self.msgs: list = []
+
+    async def on(self, msg) -> None:
+        self.msgs.append(msg)
+
+    def on_subject(self, prefix: str) -> list:
+        return [m for m in self.msgs if m.subject.startswith(prefix)]
+
+
+def submit(request_id: str, **kw) -> bytes:
+    return encode(SubmitRequest(request_id=request_id, **{"input_tokens": 20, "max_tokens": 8, **kw}))
+
+
+# --- pure parts -------------------------------------------------------------------------------------
+
+
+def test_deep_json_is_refused_as_malformed_with_its_request_id() -> None:
+    deep = b'{"type":"submit.v1","request_id":"deep","input_tokens":1,"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(Exception) as info:
+        decode_submit(deep)
+    assert getattr(info.value, "code", None) == ErrorCode.BAD_JSON
+    assert request_id_of(b'{"type":"submit.v9","request_id":"abc","max_tokens":-3}') == "abc"
+    assert request_id_of(b"not json") == "" and request_id_of(deep) == ""
+
+
+def test_single_token_inboxes_are_each_their_own_client() -> None:
+    assert dedupe_key("_INBOX.aaa", "1") != dedupe_key("_INBOX.bbb", "1")
+    assert dedupe_key("_INBOX_oserve.alice.N1.3", "1") == dedupe_key("_INBOX_oserve.alice.N1.7", "1")
+    assert dedupe_key("_INBOX_oserve.alice.N1.3", "1") != dedupe_key("_INBOX_oserve.alice.N2.3", "1")
+    assert dedupe_key("_INBOX.N1.t1", "1") == dedupe_key("_INBOX.N1.t2", "1")
+
+
+@given(st.text(max_size=80))
+def test_a_reply_is_accepted_only_when_it_is_an_inbox(reply: str) -> None:
+    roots = ("_INBOX_t", "_INBOX")
+    if reply_error(reply, roots) is None:
+        root, _, rest = reply.partition(".")
+        assert root in roots and rest and all(t and all(c.isascii() and (c.isalnum() or c in "_-") for c in t)
+                                              for t in rest.split("."))
+    for bad in ("oserve.plan.switch", "$KV.oserve_strategy.current", "t1.hb.evil", "_INBOX_t", "_INBOX_t.>",
+                "_INBOX_t.a.*", "_INBOX_t..x", "_INBOX_t.a b", ""):
+        assert reply_error(bad, roots) is not None, bad
+
+
+# --- hostile input against a real server -------------------------------------------------------------
+
+
+async def test_no_reply_subject_but_an_inbox_is_ever_published_to(server) -> None:
+    """Reply-subject injection: a client's reply subject is where an engine publishes with a worker's rights."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url)
+        tap_nc = await nats.connect(server.url)
+        stack.push_async_callback(tap_nc.close)
+        tap = Tap()
+        await tap_nc.subscribe(">", cb=tap.on)
+        await tap_nc.flush()
+        targets = [subjects.plan_event("switch"), "$KV.x_strategy.current", subjects.heartbeat("evil"),
+                   f"{subjects.reply_prefix()}.>", f"{subjects.reply_prefix()}.a.*", "elsewhere"]
+        for i, target in enumerate(targets):
+            await nc.publish(subjects.submit(), submit(f"inj{i}"), reply=target)
+        await nc.publish(subjects.submit(), submit("noreply"))  # nobody to answer: not served either
+        reply = await client.submit(input_tokens=20, max_tokens=4, request_id="after", timeout_s=5)
+        assert isinstance(reply, Reply)
+        await tap_nc.flush()
+        await asyncio.sleep(0.2)
+        for target in targets:
+            assert not [m for m in tap.msgs if m.subject == target], target
+        assert gw.num_bad_reply == len(targets) + 1
+        assert engines[0].num_received == 1  # only the good request reached the engine
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=st.one_of(
+    st.binary(max_size=300),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                 lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                 max_leaves=20).map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries({"type": st.sampled_from(["submit.v1", "ping.v1", "submit.v2"]),
+                           "request_id": st.text(max_size=140)},
+                          optional={"input_tokens": st.integers(-5, 1 << 21), "max_tokens": st.integers(-5, 1 << 21),
+                                    "prompt": st.text(max_size=50), "timeout_s": st.floats(allow_nan=True),
+                                    "tags": st.dictionaries(st.text(max_size=3), st.text(max_size=3))},
+                          ).map(lambda v: json.dumps(v).encode())))
+def test_hostile_payloads_on_the_submit_subject_get_one_typed_answer(hostile_system, payload: bytes) -> None:
+    """Anything a client may publish on the submit subject gets exactly one answer, typed, and the gateway
+    keeps serving."""
+    loop, nc, subjects, gw = hostile_system
+
+    async def one() -> None:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(subjects.submit(), payload, reply=inbox)
+        msg = await sub.next_msg(timeout=5)
+        answer = decode_reply(msg.data)
+        if isinstance(answer, ErrorReply):
+            assert answer.code in {v for k, v in vars(ErrorCode).items() if k.isupper()}
+            assert answer.code != ErrorCode.INTERNAL, answer
+        else:
+            assert isinstance(answer, Reply) or answer.__struct_config__.tag == "pong.v1"
+        with pytest.raises(nats.errors.TimeoutError):
+            await sub.next_msg(timeout=0.05)  # no second answer
+        await sub.unsubscribe()
+
+    loop.run_until_complete(one())
+
+
+@pytest.fixture(scope="module")
+def hostile_system(server):
+    loop = asyncio.new_event_loop()
+    stack = AsyncExitStack()
+
+    async def up():
+        nc, subjects, gw, _, _ = await start_system(stack, server.url, speedup=1000.0)
+        return nc, subjects, gw
+    nc, subjects, gw = loop.run_until_complete(up())
+    yield loop, nc, subjects, gw
+    assert gw.num_errors == 0
+    loop.run_until_complete(stack.aclose())
+    loop.close()
+
+
+async def test_a_reused_id_with_other_content_is_never_given_the_old_answer(server) -> None:
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url)
+        first = await client.submit(input_tokens=20, max_tokens=8, sim_output_tokens=3, request_id="same")
+        again = await client.submit(input_tokens=20, max_tokens=8, sim_output_tokens=3, request_id="same")
+        await wait_until(lambda: not gw.pending, 5, "the gateway to forget it (the resend is released)")
+        other = await client.submit(input_tokens=30, max_tokens=8, sim_output_tokens=5, request_id="same")
+        assert first.output_tokens == again.output_tokens == 3 and again.e2e_s == first.e2e_s  # the stored one
+        assert other.input_tokens == 30 and other.output_tokens == 5  # served anew
+        await wait_until(lambda: not gw.pending, 5, "the gateway to forget all three")
+        # while the first is in flight, the same id with other content is refused
+        slow = asyncio.create_task(client.submit(input_tokens=20, max_tokens=400, sim_output_tokens=400,
+                                                 request_id="busy"))
+        await wait_until(lambda: "busy" in gw.pending, 5, "the slow request to be held")
+        with pytest.raises(RequestRejected) as info:
+            await client.submit(input_tokens=21, max_tokens=400, request_id="busy", timeout_s=5)
+        assert info.value.code == ErrorCode.INVALID and "other content" in info.value.message
+        assert (await slow).output_tokens == 400
+
+
+async def test_two_clients_with_single_token_inboxes_each_get_their_own_answer(server) -> None:
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, _ = await start_system(stack, server.url)
+        answers = {}
+        for n, out in (("a", 3), ("b", 6)):
+            c = await nats.connect(server.url)
+            stack.push_async_callback(c.close)
+            inbox = c.new_inbox()  # `_INBOX.<random>`: two tokens
+            sub = await c.subscribe(inbox)
+            await c.publish(subjects.submit(), submit("shared-id", sim_output_tokens=out), reply=inbox)
+            answers[n] = decode_reply((await sub.next_msg(timeout=5)).data)
+        assert answers["a"].output_tokens == 3 and answers["b"].output_tokens == 6
+
+
+# --- deadlines, overload -----------------------------------------------------------------------------
+
+
+async def ask(nc, subjects, payload: bytes, timeout_s: float = 5.0):
+    """Publish a raw submit and return its one answer (decoded) and the wall seconds it took."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await nc.publish(subjects.submit(), payload, reply=inbox)
+    answer = decode_reply((await sub.next_msg(timeout=timeout_s)).data)
+    await sub.unsubscribe()
+    return answer, loop.time() - began
+
+
+async def test_a_request_whose_replica_died_is_answered_at_its_deadline(server) -> None:
+    """Dispatched to a replica that dies, with no other to take it: held, and answered when its deadline
+    passes (it used to wait with no deadline at all)."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(
+            stack, server.url, gateway_kwargs=dict(heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05))
+        task = asyncio.create_task(ask(nc, subjects, submit("orphan", max_tokens=5000, sim_output_tokens=5000,
+                                                            timeout_s=2.0)))
+        await wait_until(lambda: engines[0].num_inflight == 1, 5, "the request to reach the engine")
+        await engines[0].stop()  # a crash: nobody else can take it
+        await wait_until(lambda: gw.pending.get("orphan") is not None and gw.pending["orphan"].replica_id is None,
+                         5, "the request to be held for want of a replica")
+        answer, took_s = await task
+        assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.DEADLINE_EXCEEDED, answer
+        assert answer.request_id == "orphan" and 1.9 < took_s < 3.5 and "orphan" not in gw.pending
+        assert gw.num_expired == 1
+
+
+async def test_the_engine_refuses_and_aborts_what_is_past_its_deadline(server) -> None:
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=1.0)
+        # 5,000 tokens at 1x take far longer than half a second: the engine aborts it at its deadline
+        answer, took_s = await ask(nc, subjects, submit("late", max_tokens=5000, sim_output_tokens=5000,
+                                                        timeout_s=0.5))
+        assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.DEADLINE_EXCEEDED, answer
+        assert took_s < 1.5 and engines[0].num_expired == 1 and engines[0].num_inflight == 0
+        await wait_until(lambda: "late" not in gw.pending, 2, "the gateway to forget it (released)")
+        # a dispatch that arrives past its deadline is refused without being served
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        stale = Dispatch(request_id="stale", input_tokens=5, max_tokens=5, type_index=0, gateway_id="g",
+                         deadline_unix_s=1.0)
+        await nc.publish(subjects.replica("r0"), encode(stale), reply=inbox)
+        refused = decode_reply((await sub.next_msg(timeout=5)).data)
+        assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.DEADLINE_EXCEEDED
+        assert engines[0].num_expired == 2
+
+
+# --- restarts, fencing, completions ------------------------------------------------------------------
+
+
+async def test_a_restarted_engine_host_gets_its_replicas_back(server) -> None:
+    """Kill the engine host (no orderly stop) and start a new one: the switch planner starts the replicas
+    of the deployment in force again, and what waited is served once."""
+    async with AsyncExitStack() as stack:
+        subjects = unique_subjects()
+        nc = await nats.connect(server.url)
+        stack.push_async_callback(nc.close)
+        clock = Clock(speedup=100.0)
+        host_cfg = EngineHostConfig(subjects=subjects, heartbeat_interval_wall_s=0.05)
+        host = EngineHost(nc, host_cfg, clock)
+        await host.start()
+        sp = await stack.enter_async_context(SwitchPlannerWorker(nc, SwitchPlannerConfig(
+            subjects=subjects, restart_after_wall_s=0.6, restart_ready_after_s=1.0), clock))
+        gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(
+            subjects=subjects, heartbeat_timeout_wall_s=0.3, liveness_check_wall_s=0.05, no_replica_wait_wall_s=10),
+            clock))
+        s = StrategyChosen(strategy_id="s0", span_index=0, replicas=[ReplicaSpec(replica_id="r0", tp=1, pp=1,
+                                                                                gpu_ids=[0])],
+                           weights=[{"r0": 1.0}], switch_s=0.1, forecast_rps=[1.0])
+        assert await sp.switch(s)
+        await gw.wait_for_replicas(1, 5)
+        client = OServeClient(nc, subjects, default_timeout_s=15)
+        assert isinstance(await client.submit(input_tokens=10, max_tokens=4, request_id="before"), Reply)
+        inflight = asyncio.create_task(client.submit(input_tokens=10, max_tokens=300, sim_output_tokens=300,
+                                                     request_id="during"))
+        await wait_until(lambda: host.engines["r0"].num_inflight == 1, 5, "the request to reach the engine")
+        killed = list(host.engines.values())
+        host.engines.clear()  # a kill: the engines stop without answering, the host forgets them
+        for e in killed:
+            await e.stop()
+        await host.stop()
+        await wait_until(lambda: gw.live_replicas == [], 5, "the replica to be declared dead")
+        host2 = await stack.enter_async_context(EngineHost(nc, host_cfg, clock))
+        reply = await inflight
+        assert isinstance(reply, Reply) and reply.output_tokens == 300
+        assert sp.num_restarts >= 1 and "replica_restarted.v1" in sp.events and "r0" in host2.engines
+        assert isinstance(await client.submit(input_tokens=10, max_tokens=4, request_id="after"), Reply)
+
+
+async def test_a_stalled_replica_fences_itself_and_nothing_is_answered_twice(server) -> None:
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0", "r1"),
+                                                               speedup=5.0)
+        tap = Tap()
+        await nc.subscribe("_INBOX.>", cb=tap.on)
+        tasks = [asyncio.create_task(client.submit(input_tokens=10, max_tokens=500, sim_output_tokens=500,
+                                                   request_id=f"q{i}")) for i in range(20)]
+        await wait_until(lambda: sum(e.num_inflight for e in engines) == 20, 5, "all to be in flight")
+        stalled = engines[0]
+        held = stalled.num_inflight
+        stalled._last_beat_wall_s -= 10.0  # as if its loop had been paused for 10 s
+        replies = await asyncio.gather(*tasks)
+        assert sorted(r.request_id for r in replies) == sorted(f"q{i}" for i in range(20))
+        assert stalled.num_fenced == 1 and (held == 0 or gw.num_requeued == held)
+        await asyncio.sleep(0.2)
+        finals = Counter(decode_reply(m.data).request_id for m in tap.msgs)
+        assert sorted(finals) == sorted(f"q{i}" for i in range(20)) and all(n == 1 for n in finals.values()), finals
+
+
+async def test_completed_goes_out_before_the_reply(server) -> None:
+    """A crash between an answer and its `Completed` would make the gateway serve it again: the engine
+    publishes the `Completed` first, in the same write."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url)
+        order: list[tuple[str, str]] = []
+
+        async def on_any(msg) -> None:
+            if msg.subject == subjects.completions():
+                c = decode(msg.data, Completed)
+                order.extend(("completed", i.request_id) for i in c.items)
+            elif msg.subject.startswith("_INBOX"):
+                order.append(("reply", decode_reply(msg.data).request_id))
+        tap_nc = await nats.connect(server.url)
+        stack.push_async_callback(tap_nc.close)
+        await tap_nc.subscribe(">", cb=on_any)  # one subscription: its messages are read in their order
+        await tap_nc.flush()
+        await asyncio.gather(*(client.submit(input_tokens=10, max_tokens=5, request_id=f"c{i}") for i in range(30)))
+        await asyncio.sleep(0.2)
+        for i in range(30):
+            rid = f"c{i}"
+            assert order.index(("completed", rid)) < order.index(("reply", rid)), rid
+
+
+async def test_an_overload_is_refused_early_not_queued_for_minutes(server) -> None:
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(
+            stack, server.url, speedup=5.0, gateway_kwargs=dict(max_waiting_per_replica=50))
+        codes: Counter[str] = Counter()
+
+        async def one(i: int) -> None:
+            try:
+                await client.submit(input_tokens=2000, max_tokens=200, sim_output_tokens=200, request_id=f"o{i}",
+                                    timeout_s=30)
+                codes["ok"] += 1
+            except RequestRejected as exc:
+                codes[exc.code] += 1
+        tasks = [asyncio.create_task(one(i)) for i in range(400)]
+        await wait_until(lambda: codes[ErrorCode.OVERLOADED] > 0, 10, "an overloaded refusal")
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert codes[ErrorCode.OVERLOADED] >= 300, codes
