@@ -282,3 +282,13 @@ def test_replay_as_a_client_user_under_auth_uses_its_inbox_and_prints_no_passwor
         stop.set()
         thread.join(10)
         auth.close()
+
+
+async def test_the_outage_bench_reports_every_request() -> None:
+    from oserve.workers.bench import OutageBenchConfig, run_outage_bench
+
+    config = OutageBenchConfig(num_requests=200, duration_s=4.0, outage_at_s=1.0, outage_s=2.0, timeout_s=10.0,
+                               settle_s=0.2)
+    r = await asyncio.wait_for(run_outage_bench(config, unique_subjects()), 25)
+    assert r["sent"] == 200 and r["unaccounted"] == 0 and r["reconnects"] >= 1
+    assert r["answered"] + r["errors"] + r["lost"] == 200 and r["outage_s"] == 2.0

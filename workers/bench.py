@@ -125,3 +125,136 @@ async def run_bus_bench(url: str, config: BusBenchConfig = BusBenchConfig(),
         "engine_answered": answered,
         "path": "client -> gateway (validate, classify, smooth WRR, track) -> engine (echo backend) -> client",
     }
+
+
+@dataclass(frozen=True, slots=True)
+class OutageBenchConfig:
+    """A replay through the client while the nats-server is SIGKILLed and started again on its port."""
+
+    num_requests: int = 2_000
+    duration_s: float = 20.0
+    """Wall seconds the requests are spread over (evenly)."""
+    outage_at_s: float = 5.0
+    """Wall seconds into the replay the server is killed ..."""
+    outage_s: float = 8.0
+    """... and how long it stays down."""
+    timeout_s: float = 30.0
+    """Each request's wait (sent to the gateway as its deadline)."""
+    give_up_after_s: float | None = None
+    """The client's `ReconnectPolicy.give_up_after_s` (None: reconnect forever)."""
+    num_replicas: int = 2
+    speedup: float = 50.0
+    """Clock speed of the simulated engines."""
+    settle_s: float = 1.0
+    """Wall seconds to keep counting answers after the last request (duplicates, late)."""
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.num_replicas < 1 or not self.duration_s > 0 or not self.timeout_s > 0:
+            raise ConfigError(f"OutageBenchConfig: num_requests and num_replicas must be >= 1, duration_s and "
+                              f"timeout_s > 0, got {self.num_requests}, {self.num_replicas}, {self.duration_s}, "
+                              f"{self.timeout_s}")
+        if self.outage_at_s < 0 or self.outage_s < 0 or self.settle_s < 0:
+            raise ConfigError(f"OutageBenchConfig: outage_at_s, outage_s and settle_s must be >= 0, got "
+                              f"{self.outage_at_s}, {self.outage_s}, {self.settle_s}")
+
+
+class _KillableServer:
+    """A `nats-server -js` on a fixed free port that can be SIGKILLed and started again on that port."""
+
+    def __init__(self) -> None:
+        import socket
+        import tempfile
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self._tmp = tempfile.TemporaryDirectory(prefix="oserve-outage-")
+        self._proc = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import socket
+        import subprocess
+
+        from oserve.streams.server import find_nats_server
+
+        self._proc = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+                                       "-sd", self._tmp.name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline or self._proc.poll() is not None:
+                    raise RuntimeError(f"nats-server did not start on port {self.port}") from None
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()  # SIGKILL: no goodbye to the clients
+            self._proc.wait(10)
+        self._proc = None
+
+    def close(self) -> None:
+        self.kill()
+        self._tmp.cleanup()
+
+
+async def _close_quietly(nc) -> None:
+    try:
+        await nc.close()
+    except OSError:  # nats-py raises closing a connection with buffered publishes on a lost socket
+        pass
+
+
+async def run_outage_bench(config: OutageBenchConfig = OutageBenchConfig(),
+                           subjects: Subjects = Subjects("outage")) -> dict:
+    """Replay `num_requests` through `OServeClient` (gateway and sim engines on a worker connection that
+    reconnects forever) while the server is down for `outage_s`; returns `replay`'s report with the
+    outage's figures."""
+    import contextlib
+
+    from oserve.streams.client import OServeClient, ReconnectPolicy
+    from oserve.traces import Request, Trace
+    from oserve.workers.system import connect, replay
+
+    server = _KillableServer()
+    server.start()
+    n = config.num_requests
+    trace = Trace.from_requests([Request(f"o{i}", config.duration_s * i / n, 50 + i % 400, 1 + i % 64)
+                                 for i in range(n)], name="outage")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            nc = await connect(server.url, "oserve-outage-workers")
+            stack.push_async_callback(_close_quietly, nc)  # last: the workers drain through it first
+            clock = Clock(config.speedup)
+            for k in range(config.num_replicas):
+                await stack.enter_async_context(EngineWorker(nc, EngineWorkerConfig(f"o-r{k}", subjects=subjects),
+                                                             clock))
+            gateway = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects), clock))
+            await gateway.wait_for_replicas(config.num_replicas, 10.0)
+            client = await OServeClient.connect(server.url, subjects=subjects, name="oserve-outage-client",
+                                                reconnect=ReconnectPolicy(give_up_after_s=config.give_up_after_s))
+
+            async def outage() -> None:
+                await asyncio.sleep(config.outage_at_s)
+                server.kill()
+                await asyncio.sleep(config.outage_s)
+                await asyncio.to_thread(server.start)
+
+            fault = asyncio.create_task(outage())
+            try:
+                result = await replay(client, trace, 1.0, timeout_s=config.timeout_s, watch_switches=False,
+                                      settle_s=config.settle_s)
+            finally:
+                await fault
+                await client.close()
+    finally:
+        server.close()
+    result.update(outage_at_s=config.outage_at_s, outage_s=config.outage_s, timeout_s=config.timeout_s,
+                  give_up_after_s=config.give_up_after_s)
+    return result
