@@ -4,6 +4,7 @@ port, gone for good, answering twice; and `oserve replay` as a client user under
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -278,6 +279,13 @@ def test_replay_as_a_client_user_under_auth_uses_its_inbox_and_prints_no_passwor
         rows = {k.strip(): v.strip() for k, v in rows.items()}
         assert int(rows["requests"]) > 0 and rows["answered"] == rows["requests"] == rows["sent"], result.output
         assert rows["lost"] == "0" and rows["errors"] == "0" and rows["switches"] == "None"
+        # the user named in the URL alone picks the inbox too
+        creds = auth.url.replace("nats://", "nats://alice:apw@")
+        result = CliRunner().invoke(app, ["replay", "azure-conv", "--minutes", "0.1", "--speedup", "60", "--nats",
+                                          creds, "--prefix", subjects.prefix, "--timeout-s", "10", "--json"])
+        assert result.exit_code == 0, (result.output, result.exception)
+        summary = json.loads(result.output)
+        assert summary["answered"] == summary["sent"] > 0 and summary["switches"] is None
     finally:
         stop.set()
         thread.join(10)
