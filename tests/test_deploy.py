@@ -22,7 +22,7 @@ from conftest import REPO
 from oserve.defaults import WORKER_NAMES
 from oserve.errors import ConfigError
 from oserve.streams.jetstream import StreamLimits, stream_configs
-from oserve.streams.server import find_nats_server
+from oserve.streams.server import find_nats_server, read_config, strip_comments
 from oserve.streams.subjects import Subjects
 
 DEPLOY = REPO / "deploy"
@@ -181,7 +181,8 @@ def test_workers_share_one_configuration_and_read_nats_from_the_secret(rendered)
         for ref in re.findall(r"\$\((\w+)\)", " ".join(args)):
             assert ref in config, f"{name}: args use $({ref}), which oserve-config does not set"
         env = {e["name"]: e for e in c["env"]}
-        assert env["OSERVE_NATS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "oserve-nats", "key": "nats-url"}
+        # each worker logs in as its own role (deploy/README.md, "Identities")
+        assert env["OSERVE_NATS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "oserve-nats", "key": f"nats-url-{name}"}
         assert c["envFrom"] == [{"configMapRef": {"name": "oserve-config"}}]
         # traces are configured by the OTEL_* variables of the ConfigMap: a flag would override them
         assert "--tracing" not in args and "--otlp-endpoint" not in args, args
@@ -190,6 +191,9 @@ def test_workers_share_one_configuration_and_read_nats_from_the_secret(rendered)
     keys = {e["valueFrom"]["secretKeyRef"]["key"] for _, spec in _pod_specs(objs) for c in spec["containers"]
             for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     assert keys <= set(secret["stringData"]), keys - set(secret["stringData"])
+    for name in WORKER_NAMES:  # each URL logs in as its role with that role's password
+        assert secret["stringData"][f"nats-url-{name}"] == \
+            f"nats://{name}:{secret['stringData'][f'{name}-password']}@nats:4222"
 
 
 def test_engines_take_gpus_except_in_cpu_sim(rendered) -> None:
@@ -285,15 +289,18 @@ def _nats_t(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_every_nats_config_passes_nats_server_t_and_reads_its_variables(tmp_path) -> None:
+    from test_security import make_certificates, tls_env
+
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("OSERVE_") and k != "POD_NAME"}
+    certs = tls_env(make_certificates(tmp_path))  # the TLS config's variables name real files
     for label, path in _nats_configs(tmp_path).items():
-        text = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
+        text = strip_comments(read_config(path))  # nats-server-tls.conf includes nats-server.conf
         unquoted = re.sub(r'"[^"\n]*"', '""', text)  # "$JS.API.>" is a subject, not a variable
         defined = set(re.findall(r"^\s*([A-Za-z]\w*)\s*[=:]", unquoted, re.M))  # WORKER = {...}
         variables = sorted(set(re.findall(r"\$([A-Za-z]\w*)", unquoted)) - defined)
         if label != "nats-test.conf":  # the test config alone has literal passwords
             assert any(v.endswith("_PASSWORD") for v in variables), f"{label}: {variables}"
-        env = {**base_env, **{v: f"test-{v.lower()}" for v in variables}}
+        env = {**base_env, **{v: certs.get(v, f"test-{v.lower()}") for v in variables}}
         done = _nats_t(path, env)
         assert done.returncode == 0, f"{label}: {done.stdout}{done.stderr}"
         # each variable is read from the environment: unset, the config no longer loads (a quoted "$VAR"
@@ -334,9 +341,18 @@ def test_compose_gives_nats_its_passwords_and_publishes_the_front_and_metrics() 
     assert "OSERVE_TELEMETRY_PASSWORD" in variables
     assert variables <= set(compose["services"]["nats"]["environment"]), variables
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    assert all(f"{v}=" in header for v in variables), header  # the command line in the header sets each
+    (users,) = re.findall(r"for u in ([A-Z_ ]+); do", header)  # the header's env-file recipe sets each
+    assert {f"OSERVE_{u}_PASSWORD" for u in users.split()} == variables, header
+    assert 'echo "OSERVE_${u}_PASSWORD=' in header and "--env-file" in header
+    # compose's `oserve up` is one process: it logs in as the combined worker identity
     oserve = compose["services"]["oserve"]
-    assert {"8000:8000", "9464:9464"} <= set(oserve["ports"])
+    assert oserve["environment"]["OSERVE_NATS_URL"].startswith("nats://worker:${OSERVE_WORKER_PASSWORD}@nats:")
+    # every published port is this host's only (127.0.0.1) unless the operator opts in
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            assert re.fullmatch(r"\$\{(OSERVE_NATS_BIND|OSERVE_BIND):-127\.0\.0\.1\}:(\d+):\2", port), (name, port)
+    assert compose["services"]["nats"]["ports"] == ["${OSERVE_NATS_BIND:-127.0.0.1}:4222:4222"]
+    assert {p.split(":", 2)[2] for p in oserve["ports"]} >= {"8000:8000", "9464:9464"}
     assert oserve["environment"]["OSERVE_HTTP_HOST"] == "0.0.0.0"  # the front listens on 127.0.0.1 unless told
     assert "--tracing" not in oserve["command"] and oserve["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
 
