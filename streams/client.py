@@ -128,6 +128,10 @@ class ReconnectPolicy:
     resend_on_reconnect: bool = True
     """After a reconnect, publish again every waiting request that went out on the lost connection (it, or
     its answer, may be lost); the system answers the retry once (`dedupe_key`)."""
+    resend_delay_s: float = 1.0
+    """How long after a reconnect the waiting requests are published again: answers that engines buffered
+    while they were cut off come when the engines reconnect, and a request answered meanwhile is not
+    resent (its resend would be answered again, from the engine's cache: a second answer on the wire)."""
     no_gateway_retry_s: float = 10.0
     """For this long after a reconnect, a request no gateway takes (NATS answers "no responders": the
     workers have not reconnected yet) is published again, every `no_gateway_retry_interval_s`, within its
@@ -146,6 +150,8 @@ class ReconnectPolicy:
             raise ConfigError(f"ReconnectPolicy: pending_bytes must be >= 1, poll_interval_s and "
                               f"no_gateway_retry_interval_s > 0, got {self.pending_bytes}, {self.poll_interval_s}, "
                               f"{self.no_gateway_retry_interval_s}")
+        if self.resend_delay_s < 0:
+            raise ConfigError(f"ReconnectPolicy.resend_delay_s must be >= 0, got {self.resend_delay_s}")
         if self.no_gateway_retry_s < 0:
             raise ConfigError(f"ReconnectPolicy.no_gateway_retry_s must be >= 0, got {self.no_gateway_retry_s}")
 
@@ -499,6 +505,7 @@ class OServeClient:
         policy = self.reconnect
         loop = asyncio.get_running_loop()
         gen = self._generation()
+        resend_at: float | None = None  # when the requests of the connection before `gen` go again
         while self._answers:
             nc = self.nc
             if nc.is_closed:
@@ -510,8 +517,10 @@ class OServeClient:
                 if now_gen != self._seen_gen:
                     self._seen_gen, self._reconnected_at = now_gen, loop.time()
                 if now_gen != gen:
-                    gen = now_gen
-                    await self._resend(now_gen)
+                    gen, resend_at = now_gen, loop.time() + policy.resend_delay_s
+                if resend_at is not None and loop.time() >= resend_at:
+                    resend_at = None
+                    await self._resend(gen)
             else:
                 if self._down_since is None:
                     self._down_since = loop.time()

@@ -78,6 +78,14 @@ MAX_EARLY_CANCELS = 10_000
 """Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
 
 
+def deadline_s(timeout_s: float | None, max_s: float) -> float:
+    """Seconds from its arrival until a request's deadline: its client's timeout (capped at `max_s`), less a
+    margin (a tenth of it, at most a second) so the `deadline_exceeded` answer reaches the client before
+    the client gives up on its own. Pure."""
+    t = min(timeout_s or max_s, max_s)
+    return t - min(1.0, 0.1 * t)
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """One gateway/router worker."""
@@ -515,7 +523,7 @@ class Gateway(Worker):
                                    f"{len(self.pending)} requests in flight at this gateway; retry later")
                 return
             now = asyncio.get_running_loop().time()
-            timeout_s = min(req.timeout_s or cfg.max_request_wall_s, cfg.max_request_wall_s)
+            timeout_s = deadline_s(req.timeout_s, cfg.max_request_wall_s)
             replica_id = self._route(type_index)
             if replica_id is None and cfg.no_replica_wait_wall_s == 0:
                 await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")
@@ -678,9 +686,11 @@ class Gateway(Worker):
                                                                  message=message)))
 
     async def _expire(self, now: float) -> None:
-        """Answer `deadline_exceeded` to what nobody waits for any more: a request held here (no replica took
-        it) at its deadline; a dispatched one a grace period later (its engine answers at the deadline
-        itself; one that has not by then is gone), with an `AbortRequest` so a late engine stays silent."""
+        """Forget what nobody waits for any more. A request held here (no replica took it) is answered
+        `deadline_exceeded` at its deadline. A dispatched one is its engine's to answer at the deadline (the
+        engine has its `Dispatch.deadline_unix_s`): a grace period later the gateway forgets it without a
+        word (its answer, or its `Completed`, may just have been lost with a connection: a second answer
+        would be one too many), with an `AbortRequest` that frees it at an engine still holding it."""
         grace = self.config.heartbeat_timeout_wall_s + 1.0
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -693,32 +703,21 @@ class Gateway(Worker):
                 continue
             del self.pending[rid]
             self.num_expired += 1
-            self.num_failed += 1
-            if self.metrics is not None:
-                self.metrics.failed.labels(ErrorCode.DEADLINE_EXCEEDED).inc()
             if p.replica_id is not None:
                 await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
                     request_id=rid, inbox=p.reply, gateway_id=self.config.gateway_id, reason="deadline_exceeded",
                     answered=True)))
+                continue
+            self.num_failed += 1
+            if self.metrics is not None:
+                self.metrics.failed.labels(ErrorCode.DEADLINE_EXCEEDED).inc()
             await self.nc.publish(p.reply, encode(ErrorReply(
                 request_id=rid, code=ErrorCode.DEADLINE_EXCEEDED,
-                message="no answer before the request's deadline" if p.replica_id is None else
-                f"replica {p.replica_id} did not answer before the request's deadline")))
-
-    async def _resend_dispatched(self) -> None:
-        """After this gateway was cut off from NATS, send every dispatched request again to its replica: a
-        dispatch, or its answer's `Completed`, may have been lost with the connection. The engine serves
-        each once (`dedupe_key`): one still in flight is not served again, one answered is answered from
-        its cache and released."""
-        for rid, p in list(self.pending.items()):
-            if p.replica_id is not None and self.pending.get(rid) is p:
-                await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(p.dispatch), reply=p.reply,
-                                      headers=dict(p.headers) if p.headers else None)
+                message="no replica answered before the request's deadline")))
 
     async def _liveness_loop(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.config.liveness_check_wall_s
-        resend_at: float | None = None
         while True:
             before = loop.time()
             await asyncio.sleep(interval)
@@ -730,16 +729,14 @@ class Gateway(Worker):
                     self.num_disconnects += 1
                     log.warning("%s: disconnected from NATS; failure detection paused", self.config.gateway_id)
                 continue
-            if self._disconnected:  # back: every replica gets a fresh timeout, and what was sent goes again
+            if self._disconnected:  # back: every replica gets a fresh timeout
+                # (what was lost with the connection, a dispatch or an answer, comes again as the client's
+                # retry: the gateway sends the dispatch again, the engine serves it once)
                 self._disconnected = False
                 for r in self._replicas.values():
                     r.last_seen_wall_s = now
                 self._last_heartbeat_read_wall_s = now
-                resend_at = now + max(1.0, 2 * interval)  # once the engines have subscribed again
                 continue
-            if resend_at is not None and now >= resend_at:
-                resend_at = None
-                await self._resend_dispatched()
             if self._deadlines and self._deadlines[0][0] <= now:
                 await self._expire(now)
             # lateness during which no heartbeat (of any replica) was read: the gateway could not read
