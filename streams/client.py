@@ -136,6 +136,11 @@ class ReconnectPolicy:
     """For this long after a reconnect, a request no gateway takes (NATS answers "no responders": the
     workers have not reconnected yet) is published again, every `no_gateway_retry_interval_s`, within its
     timeout; after it, or with no reconnect, it fails at once with `NoGateway`. 0: never retried."""
+    no_gateway_grace_s: float = 5.0
+    """A request no gateway takes is also published again, every `no_gateway_retry_interval_s`, for this
+    long after its first "no responders" (within its timeout), reconnect or not: a gateway restarting (a
+    crash, a rolling update) is back in seconds, and a request nobody took is safe to send again. 0: only
+    after a reconnect."""
     no_gateway_retry_interval_s: float = 0.25
     poll_interval_s: float = 0.1
     """How often, while requests wait, the client looks at its connection (reconnected, given up, closed)."""
@@ -152,6 +157,8 @@ class ReconnectPolicy:
                               f"{self.no_gateway_retry_interval_s}")
         if self.resend_delay_s < 0:
             raise ConfigError(f"ReconnectPolicy.resend_delay_s must be >= 0, got {self.resend_delay_s}")
+        if self.no_gateway_grace_s < 0:
+            raise ConfigError(f"ReconnectPolicy.no_gateway_grace_s must be >= 0, got {self.no_gateway_grace_s}")
         if self.no_gateway_retry_s < 0:
             raise ConfigError(f"ReconnectPolicy.no_gateway_retry_s must be >= 0, got {self.no_gateway_retry_s}")
 
@@ -166,7 +173,7 @@ class _Wait:
     after a reconnect (`gen`: the connection it last went out on; `sent_connected`: it went onto the wire
     rather than into the reconnect buffer)."""
 
-    __slots__ = ("queue", "payload", "headers", "gen", "sent_connected")
+    __slots__ = ("queue", "payload", "headers", "gen", "sent_connected", "no_gateway_since")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -174,6 +181,8 @@ class _Wait:
         self.headers: dict | None = None
         self.gen = 0
         self.sent_connected = False
+        self.no_gateway_since: float | None = None
+        """Loop time of the first "no responders" to it (None: none yet)."""
 
 
 class _Lost:
@@ -403,14 +412,20 @@ class OServeClient:
         return item
 
     async def _retry_no_gateway(self, inbox: str, wait: _Wait, deadline: float) -> bool:
-        """After "no responders" to `wait`'s request: publish it again (after a short wait) when the client
-        reconnected lately and time is left, as the workers may not have reconnected yet; False: give up."""
+        """After "no responders" to `wait`'s request: publish it again (after a short wait) when time is left
+        and either the client reconnected lately (the workers may not have reconnected yet) or the first
+        "no responders" to it was less than `no_gateway_grace_s` ago (a gateway restarting); False: give up."""
         policy = self.reconnect
         loop = asyncio.get_running_loop()
+        now = loop.time()
+        if wait.no_gateway_since is None:
+            wait.no_gateway_since = now
         gen = self._generation()
-        recent = gen > 0 and (gen != self._seen_gen or loop.time() - self._reconnected_at < policy.no_gateway_retry_s)
-        if not recent or policy.no_gateway_retry_s == 0 \
-                or deadline - loop.time() <= policy.no_gateway_retry_interval_s or wait.payload is None:
+        recent = policy.no_gateway_retry_s > 0 and gen > 0 and (
+            gen != self._seen_gen or now - self._reconnected_at < policy.no_gateway_retry_s)
+        restarting = now - wait.no_gateway_since < policy.no_gateway_grace_s
+        if not (recent or restarting) or deadline - now <= policy.no_gateway_retry_interval_s \
+                or wait.payload is None:
             return False
         await asyncio.sleep(policy.no_gateway_retry_interval_s)
         try:

@@ -328,9 +328,10 @@ async def test_worker_lifecycle_is_idempotent_and_the_gateway_sheds_load(server)
         with pytest.raises(RequestRejected) as info:
             await client.submit(input_tokens=10, max_tokens=5, timeout_s=5)
         assert info.value.code == ErrorCode.OVERLOADED
-        for f in slow:
-            with pytest.raises(RequestTimeout):
+        for f in slow:  # past their deadline (the client's timeout, sent with them) the engine stops them
+            with pytest.raises(RequestRejected) as info:
                 await f
+            assert info.value.code == ErrorCode.DEADLINE_EXCEEDED
         for w in (gw, engine):
             await w.stop()
             await w.stop()
@@ -752,8 +753,16 @@ async def test_a_timed_out_submit_is_cancelled(server) -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
                                                                    speedup=1.0)
+            # the client's timeout travels with the request (`SubmitRequest.timeout_s`): the engine stops it
+            # at its deadline and answers `deadline_exceeded`
+            with pytest.raises(RequestRejected) as info:
+                await client.submit(input_tokens=100, max_tokens=3000, request_id="late", timeout_s=0.5)
+            assert info.value.code == ErrorCode.DEADLINE_EXCEEDED and engines[0].num_expired == 1
+            await wait_until(lambda: not gw.pending and engines[0].num_inflight == 0, 5, "the release")
+            # a request that gives no timeout of its own: the client's timeout cancels it
             with pytest.raises(RequestTimeout):
-                await client.submit(input_tokens=100, max_tokens=3000, request_id="slow", timeout_s=0.5)
+                await client.submit_raw(encode(SubmitRequest(request_id="slow", input_tokens=100, max_tokens=3000)),
+                                        "slow", timeout_s=0.5)
             await wait_until(lambda: not gw.pending and engines[0].num_inflight == 0, 5,
                              "the cancel to reach the gateway and the engine")
             assert gw.num_cancelled == 1 and engines[0].num_cancelled == 1
@@ -772,8 +781,9 @@ async def test_an_id_sent_again_stays_owned_after_a_cancel_and_is_released_after
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
                                                                    speedup=1.0)
-            with pytest.raises(RequestTimeout):
-                await client.submit(input_tokens=100, max_tokens=3000, request_id="slow", timeout_s=0.3)
+            with pytest.raises(RequestTimeout):  # no timeout of its own: the client's timeout cancels it
+                await client.submit_raw(encode(SubmitRequest(request_id="slow", input_tokens=100, max_tokens=3000)),
+                                        "slow", timeout_s=0.3)
             again = asyncio.create_task(client.submit(input_tokens=100, max_tokens=3000, request_id="slow",
                                                       timeout_s=20))
             await wait_until(lambda: engines[0].num_cancelled == 1 and engines[0].num_inflight == 1, 5,

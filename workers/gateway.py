@@ -75,6 +75,10 @@ EARLY_CANCEL_WALL_S = 5.0
 subscription's callbacks run in a task of their own, so under a backlog of submits a cancel can be read
 first (wall seconds)."""
 MAX_EARLY_CANCELS = 10_000
+MIN_RATE_BUSY_S = 10.0
+"""Clock seconds of busy time, and ..."""
+MIN_RATE_COMPLETIONS = 20
+"""... completions, a replica's service rate needs before admission goes by it."""
 """Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
 
 
@@ -99,9 +103,10 @@ class GatewayConfig:
     tokens may generate up to it (vLLM's default)."""
     heartbeat_timeout_wall_s: float = 2.0
     """A replica silent for this long (wall seconds) is dead; its requests are re-dispatched."""
-    no_replica_wait_wall_s: float = 5.0
-    """A new request that finds no live replica waits this long (wall seconds) for one, then is answered
-    `no_replica`; 0 answers at once."""
+    no_replica_wait_wall_s: float = 15.0
+    """A new request that finds no live replica waits this long (wall seconds, and at most until its
+    deadline) for one, then is answered `no_replica`; 0 answers at once. An engine host's restart takes
+    about 10 s (the switch planner's `restart_after_wall_s`, the process start, the modelled load)."""
     liveness_check_wall_s: float = 0.25
     arrival_flush_wall_s: float = 0.05
     """Accepted requests are batched into one `Arrived` event for at most this long."""
@@ -121,7 +126,10 @@ class GatewayConfig:
     max_waiting_per_replica: int = 4096
     """Requests waiting (not running) at one replica, as its heartbeat reports plus what was sent since,
     beyond which new ones are refused `overloaded` whatever its rate (before any rate is measured)."""
-    rate_window_wall_s: float = 10.0
+    rate_window_busy_s: float = 60.0
+    """Clock seconds of a replica's busy time its service rate is measured over (`Heartbeat.busy_s`)."""
+    min_waiting_to_refuse: int = 16
+    """A replica with fewer waiting requests is never refused for its rate (too few to judge by)."""
     reply_roots: tuple[str, ...] | None = None
     """First tokens a request's reply subject may start with (see `oserve.streams.subjects.reply_error`);
     None: the clients' prefix (`Subjects.reply_prefix()`) and nats-py's default `_INBOX`."""
@@ -134,7 +142,7 @@ class GatewayConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("heartbeat_timeout_wall_s", "liveness_check_wall_s", "arrival_flush_wall_s",
-                     "max_request_wall_s", "rate_window_wall_s"):
+                     "max_request_wall_s", "rate_window_busy_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_queue_wall_s is not None and not self.max_queue_wall_s > 0:
@@ -163,9 +171,10 @@ class _Replica:
     """Tokens (input plus expected output) dispatched here since its last heartbeat."""
     sent_requests: int = 0
     incoming_kv_tokens: int = 0
-    completions: collections.deque = field(default_factory=collections.deque)
-    """(wall time, requests) of its `Completed` events over the last `rate_window_wall_s`."""
-    first_completion_wall_s: float | None = None
+    completed: int = 0
+    """Requests it finished (its `Completed` events' items) since the gateway first heard of it."""
+    busy_samples: collections.deque = field(default_factory=collections.deque)
+    """(busy clock seconds, `completed`) at its heartbeats, while they span `rate_window_wall_s` of busy time."""
 
     @property
     def ready(self) -> bool:
@@ -184,14 +193,26 @@ class _Replica:
     def num_waiting(self) -> int:
         return self.reported_waiting + self.sent_requests
 
-    def served_per_s(self, now: float, window_s: float) -> float | None:
-        """Requests it finished per wall second over the last `window_s`, or None before a full second of them."""
-        c = self.completions
-        while c and now - c[0][0] > window_s:
-            c.popleft()
-        if self.first_completion_wall_s is None or now - self.first_completion_wall_s < 1.0:
+    def note_busy(self, busy_s: float, window_busy_s: float) -> None:
+        """Record a heartbeat's cumulative busy time (clock seconds) against the completions so far."""
+        samples = self.busy_samples
+        if samples and busy_s < samples[-1][0]:
+            samples.clear()  # a restarted engine counts from 0 again
+        samples.append((busy_s, self.completed))
+        while len(samples) > 2 and busy_s - samples[1][0] >= window_busy_s:
+            samples.popleft()
+
+    def served_per_busy_s(self) -> float | None:
+        """Requests it finishes per clock second of being busy, over its recent busy time (None before
+        `MIN_RATE_BUSY_S` of it and `MIN_RATE_COMPLETIONS` completions): its service rate, which idle spans
+        and outages do not dilute."""
+        samples = self.busy_samples
+        if len(samples) < 2:
             return None
-        return sum(n for _, n in c) / min(window_s, now - self.first_completion_wall_s)
+        busy_s, done = samples[-1][0] - samples[0][0], samples[-1][1] - samples[0][1]
+        if busy_s < MIN_RATE_BUSY_S or done < MIN_RATE_COMPLETIONS:
+            return None  # too little to judge by: a new replica, or one still on its first long requests
+        return done / busy_s
 
 
 @dataclass(slots=True)
@@ -353,11 +374,11 @@ class Gateway(Worker):
         self._strategy_links = [trace.Link(ctx, {"oserve.strategy_id": a.strategy_id})] \
             if ctx is not None and ctx.is_valid else []
 
-    @staticmethod
-    def _report_load(r: _Replica, hb: Heartbeat) -> None:
+    def _report_load(self, r: _Replica, hb: Heartbeat) -> None:
         """A heartbeat's load replaces what the gateway had estimated since the last one."""
         r.reported_kv_frac, r.reported_requests = hb.kv_load_frac, hb.num_waiting + hb.num_running
         r.reported_waiting = hb.num_waiting
+        r.note_busy(hb.busy_s, self.config.rate_window_busy_s)
         r.num_running, r.kv_capacity_tokens = hb.num_running, hb.kv_capacity_tokens
         r.sent_tokens = r.sent_requests = 0
 
@@ -427,9 +448,14 @@ class Gateway(Worker):
         waiting = r.num_waiting
         if waiting >= self.config.max_waiting_per_replica:
             return f"{waiting} requests wait at replica {replica_id}; retry later"
-        rate = r.served_per_s(now, self.config.rate_window_wall_s)
+        if waiting < self.config.min_waiting_to_refuse:
+            return None
+        per_busy_s = r.served_per_busy_s()
+        if per_busy_s is None:
+            return None
+        rate = per_busy_s * self.clock.speedup  # per wall second, while it works
         limit_s = self.config.max_queue_wall_s if self.config.max_queue_wall_s is not None else deadline_s
-        if rate is not None and waiting > rate * limit_s:
+        if waiting > rate * limit_s:
             return (f"{waiting} requests wait at replica {replica_id}, which serves {rate:.1f} per second: the "
                     f"request would wait longer than {limit_s:g} s; retry later")
         return None
@@ -611,11 +637,8 @@ class Gateway(Worker):
         assert isinstance(c, Completed)
         pending = self.pending
         r = self._replicas.get(c.replica_id)
-        if r is not None and c.items:
-            now = asyncio.get_running_loop().time()
-            r.completions.append((now, len(c.items)))
-            if r.first_completion_wall_s is None:
-                r.first_completion_wall_s = now
+        if r is not None:
+            r.completed += len(c.items)
         for item in c.items:
             p = pending.pop(item.request_id, None)
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
