@@ -37,6 +37,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import math
 import random
 import uuid
 from dataclasses import dataclass
@@ -49,9 +50,8 @@ import nats.js.api
 from nats.aio.client import Client as NATS
 
 from oserve.errors import ConfigError, OServeError
-from oserve.streams import schemas as _schemas
-from oserve.streams.schemas import (CancelRequest, ErrorReply, Ping, Pong, Reply, ReplyChunk, SchemaError,
-                                    SubmitRequest, decode, decode_reply, encode)
+from oserve.streams.schemas import (ACCEPTED_PREFIX, MAX_TIMEOUT_S, Accepted, CancelRequest, ErrorReply, Ping, Pong,
+                                    Reply, ReplyChunk, SchemaError, SubmitRequest, decode, decode_reply, encode)
 from oserve.streams.server import redact_url
 from oserve.streams.subjects import Subjects
 
@@ -142,6 +142,12 @@ class ReconnectPolicy:
     crash, a rolling update) is back in seconds, and a request nobody took is safe to send again. 0: only
     after a reconnect."""
     no_gateway_retry_interval_s: float = 0.25
+    accept_timeout_s: float = 2.0
+    """A request (`submit`, `stream`) asks the gateway to confirm it owns it (`SubmitRequest.ack`); with
+    neither the confirmation nor an answer within this long it is published again (same id, same inbox:
+    the gateway takes a retry of what it holds as the same request), the wait doubling each time, within
+    its timeout. It covers a gateway that crashed after reading the request and before owning it. 0:
+    never published again for this."""
     poll_interval_s: float = 0.1
     """How often, while requests wait, the client looks at its connection (reconnected, given up, closed)."""
 
@@ -157,6 +163,8 @@ class ReconnectPolicy:
                               f"{self.no_gateway_retry_interval_s}")
         if self.resend_delay_s < 0:
             raise ConfigError(f"ReconnectPolicy.resend_delay_s must be >= 0, got {self.resend_delay_s}")
+        if self.accept_timeout_s < 0:
+            raise ConfigError(f"ReconnectPolicy.accept_timeout_s must be >= 0, got {self.accept_timeout_s}")
         if self.no_gateway_grace_s < 0:
             raise ConfigError(f"ReconnectPolicy.no_gateway_grace_s must be >= 0, got {self.no_gateway_grace_s}")
         if self.no_gateway_retry_s < 0:
@@ -173,7 +181,8 @@ class _Wait:
     after a reconnect (`gen`: the connection it last went out on; `sent_connected`: it went onto the wire
     rather than into the reconnect buffer)."""
 
-    __slots__ = ("queue", "payload", "headers", "gen", "sent_connected", "no_gateway_since")
+    __slots__ = ("queue", "payload", "headers", "gen", "sent_connected", "no_gateway_since", "ack_due",
+                 "ack_wait_s")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -183,6 +192,10 @@ class _Wait:
         self.sent_connected = False
         self.no_gateway_since: float | None = None
         """Loop time of the first "no responders" to it (None: none yet)."""
+        self.ack_due: float | None = None
+        """Loop time by which a gateway's `Accepted` (or an answer) should have come; None: nothing awaited
+        (not asked for, or come)."""
+        self.ack_wait_s = 0.0
 
 
 class _Lost:
@@ -236,6 +249,8 @@ class OServeClient:
         """First answers that came after the client stopped waiting (timed out, cancelled, connection lost)."""
         self.num_resent = 0
         """Requests published again after a reconnect."""
+        self.num_unaccepted_resent = 0
+        """Requests published again because no gateway confirmed owning them in time."""
 
     @classmethod
     async def connect(cls, url: str, *, subjects: Subjects = Subjects(), user: str | None = None,
@@ -305,7 +320,8 @@ class OServeClient:
         timeout = self._timeout(timeout_s)
         req = _request(prompt, input_tokens, max_tokens, output_hint_tokens, tags, request_id, sim_output_tokens,
                        temperature, top_p, seed, stop, stream=False, timeout_s=timeout)
-        return await self.submit_raw(encode(req), req.request_id, timeout)  # type: ignore[return-value]
+        return await self._submit(encode(req), req.request_id, timeout, cancel=True,  # type: ignore[return-value]
+                                  ack=True)
 
     def stream(self, *, prompt: str | None = None, input_tokens: int | None = None,
                max_tokens: int | None = None, output_hint_tokens: int | None = None,
@@ -318,7 +334,7 @@ class OServeClient:
         timeout = self._timeout(timeout_s)
         req = _request(prompt, input_tokens, max_tokens, output_hint_tokens, tags, request_id, sim_output_tokens,
                        temperature, top_p, seed, stop, stream=True, timeout_s=timeout)
-        return self.stream_raw(encode(req), req.request_id, timeout)
+        return self.stream_raw(encode(req), req.request_id, timeout, ack=True)
 
     def _timeout(self, timeout_s: float | None) -> float:
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
@@ -326,8 +342,8 @@ class OServeClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
         return timeout
 
-    async def stream_raw(self, payload: bytes, request_id: str = "",
-                         timeout_s: float | None = None) -> AsyncIterator[ReplyChunk | Reply]:
+    async def stream_raw(self, payload: bytes, request_id: str = "", timeout_s: float | None = None, *,
+                         ack: bool = False) -> AsyncIterator[ReplyChunk | Reply]:
         """Send an encoded streaming `SubmitRequest` and yield what comes back: chunks, then the `Reply`.
 
         The answer arrives on an inbox of its own under the client's prefix (one subscription carries
@@ -340,6 +356,8 @@ class OServeClient:
         `Reply` is the answer). A chunk that overlaps what was yielded (a re-dispatched request's new replica
         cuts its chunks elsewhere) is passed on with the part already given sliced off (`offset_chars`).
         Closing the iterator before the `Reply`, or a timeout, cancels the request (`CancelRequest`).
+        `ack`: the payload asks for `Accepted` (`SubmitRequest.ack`), and is published again while no
+        gateway confirms it (`ReconnectPolicy.accept_timeout_s`).
         Raises `RequestRejected`, `RequestTimeout`, `NoGateway`, `ConnectionLost`, `ClientError`."""
         timeout = self._timeout(timeout_s)
         loop = asyncio.get_running_loop()
@@ -349,7 +367,7 @@ class OServeClient:
         reason = "client_closed"
         inbox = ""
         try:
-            inbox, wait = await self._send(payload, span)
+            inbox, wait = await self._send(payload, span, ack=ack)
             tokens, text = 0, ""  # what was yielded so far
             while True:
                 try:
@@ -397,19 +415,47 @@ class OServeClient:
         """The next message answering `wait` before `deadline` (loop time); raises `RequestTimeout` when none
         comes while connected, `ConnectionLost` when the connection is given up or closed, or was down as the
         wait ended."""
-        left_s = deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            left_s = deadline - now
+            ack_left_s = wait.ack_due - now if wait.ack_due is not None else math.inf
+            try:
+                if left_s <= 0:
+                    raise TimeoutError
+                item = await asyncio.wait_for(wait.queue.get(), max(0.0, min(left_s, ack_left_s)))
+            except TimeoutError:
+                if loop.time() < deadline and wait.ack_due is not None:
+                    await self._resend_unaccepted(wait, request_id)
+                    continue
+                if not self.nc.is_connected:
+                    raise ConnectionLost(f"request {request_id or '?'}: no answer within {timeout} s; the "
+                                         f"connection to NATS is down") from None
+                raise RequestTimeout(f"request {request_id or '?'}: no reply within {timeout} s") from None
+            if isinstance(item, _Lost):
+                raise ConnectionLost(f"request {request_id or '?'}: {item.reason}")
+            if item.headers and item.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+                return item  # nobody took it: still to be confirmed when it is published again
+            wait.ack_due = None  # owned (or answered): nothing more to confirm
+            if item.data.startswith(ACCEPTED_PREFIX):
+                continue
+            return item
+
+    async def _resend_unaccepted(self, wait: _Wait, request_id: str) -> None:
+        """Publish again a request no gateway confirmed owning in time (`ReconnectPolicy.accept_timeout_s`)."""
+        wait.ack_wait_s *= 2
+        wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s
+        if wait.payload is None or not self.nc.is_connected:
+            return  # down: the reconnect's resend covers it
+        inbox = next((i for i, w in self._answers.items() if w is wait), None)
+        if inbox is None:
+            return
         try:
-            if left_s <= 0:
-                raise TimeoutError
-            item = await asyncio.wait_for(wait.queue.get(), left_s)
-        except TimeoutError:
-            if not self.nc.is_connected:
-                raise ConnectionLost(f"request {request_id or '?'}: no answer within {timeout} s; the connection "
-                                     f"to NATS is down") from None
-            raise RequestTimeout(f"request {request_id or '?'}: no reply within {timeout} s") from None
-        if isinstance(item, _Lost):
-            raise ConnectionLost(f"request {request_id or '?'}: {item.reason}")
-        return item
+            await self._publish(inbox, wait, wait.payload, wait.headers)
+        except ClientError:
+            return
+        self.num_unaccepted_resent += 1
+        log.debug("client: request %s not confirmed by a gateway; published again", request_id or "?")
 
     async def _retry_no_gateway(self, inbox: str, wait: _Wait, deadline: float) -> bool:
         """After "no responders" to `wait`'s request: publish it again (after a short wait) when time is left
@@ -472,11 +518,15 @@ class OServeClient:
             if span is not None:
                 span.end()
 
-    async def _send(self, payload: bytes, span) -> tuple[str, _Wait]:
+    async def _send(self, payload: bytes, span, *, ack: bool = False) -> tuple[str, _Wait]:
         """Publish `payload` on the submit subject with a fresh inbox as its reply (and `span`'s trace
-        context); returns the inbox and its waiting request. Raises `ConnectionLost` when the connection
-        cannot take it."""
+        context); returns the inbox and its waiting request. With `ack` (the request asks for `Accepted`)
+        it is published again while no gateway confirms it (`ReconnectPolicy.accept_timeout_s`). Raises
+        `ConnectionLost` when the connection cannot take it."""
         inbox, wait = await self._open_inbox()
+        if ack and self.reconnect.accept_timeout_s > 0:
+            wait.ack_wait_s = self.reconnect.accept_timeout_s
+            wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s
         headers = None
         if span is not None:
             from oserve.observability.tracing import inject
@@ -622,7 +672,8 @@ class OServeClient:
                                                                          message_id=request_id,
                                                                          body_size_bytes=len(payload))})
 
-    async def _submit(self, payload: bytes, request_id: str, timeout_s: float | None, *, cancel: bool) -> Reply | Pong:
+    async def _submit(self, payload: bytes, request_id: str, timeout_s: float | None, *, cancel: bool,
+                      ack: bool = False) -> Reply | Pong:
         timeout = self._timeout(timeout_s)
         deadline = asyncio.get_running_loop().time() + timeout
         span = self._publish_span("client.submit", request_id, payload)
@@ -630,7 +681,7 @@ class OServeClient:
         reason = "client_closed"
         inbox = ""
         try:
-            inbox, wait = await self._send(payload, span)
+            inbox, wait = await self._send(payload, span, ack=ack)
             while True:
                 try:
                     msg = await self._next(wait, deadline, request_id, timeout)
@@ -707,7 +758,7 @@ def _is_answer(msg) -> bool:
         answer = decode_reply(msg.data)
     except SchemaError:
         return False
-    return not isinstance(answer, ReplyChunk)
+    return not isinstance(answer, (ReplyChunk, Accepted))
 
 
 async def _abandon(nc: NATS) -> None:
@@ -752,18 +803,15 @@ def _request(prompt: str | None, input_tokens: int | None, max_tokens: int | Non
              stream: bool, timeout_s: float | None = None) -> SubmitRequest:
     """The `SubmitRequest` of `submit` / `stream` (the gateway validates it). Pure but for a fresh id.
 
-    `timeout_s`, how long the client will wait, tells the gateway the request's deadline
-    (`SubmitRequest.timeout_s`) when the schema has that field; a schema without it gets none."""
+    `timeout_s`, how long the client will wait, is the request's deadline (`SubmitRequest.timeout_s`, at
+    most `MAX_TIMEOUT_S`); the request asks the gateway to confirm it owns it (`SubmitRequest.ack`)."""
     if (prompt is None) == (input_tokens is None):
         raise ValueError("give exactly one of prompt (text) and input_tokens (a count)")
-    deadline = {"timeout_s": min(timeout_s, _MAX_TIMEOUT_S)} if timeout_s is not None and _HAS_DEADLINE else {}
     return SubmitRequest(request_id=request_id or uuid.uuid4().hex, prompt=prompt, input_tokens=input_tokens,
                          max_tokens=max_tokens, output_hint_tokens=output_hint_tokens, tags=dict(tags or {}),
                          sim_output_tokens=sim_output_tokens, stream=stream, temperature=temperature, top_p=top_p,
-                         seed=seed, stop=list(stop), **deadline)
+                         seed=seed, stop=list(stop), ack=True,
+                         timeout_s=min(timeout_s, MAX_TIMEOUT_S) if timeout_s is not None else None)
 
 
-# Issue 14: the deadline field (`SubmitRequest.timeout_s`) is being added to the schema; until it is there,
-# the client sends no deadline. A wait over the schema's bound is sent as the bound (still a long wait).
-_HAS_DEADLINE = "timeout_s" in SubmitRequest.__struct_fields__
-_MAX_TIMEOUT_S = float(getattr(_schemas, "MAX_TIMEOUT_S", 24 * 3600.0))
+

@@ -71,7 +71,7 @@ _GROUPS: tuple[_Group, ...] = (
     _Group("cancel", Subjects.cancel, "command", None, ("cancel.v1",),
            "Clients abandon a request they sent (a stream closed early, a timeout); every gateway hears it, the one "
            "that owns the request checks the inbox prefix and acts."),
-    _Group("replies", _reply_subject, "reply", None, ("reply.v1", "error.v1", "pong.v1"),
+    _Group("replies", _reply_subject, "reply", None, ("reply.v1", "error.v1", "pong.v1", "accepted.v1"),
            "What comes back to the request's reply inbox (a client reads only its own, `_INBOX_<prefix>.<user>.>`). "
            "Every reply message of another kind (a token chunk) arrives here too."),
     _Group("dispatch", lambda s: s.replica("REPLICA_ID"), "command", None, ("dispatch.v1", "abort.v1"),

@@ -98,6 +98,10 @@ class SubmitRequest(_Msg, frozen=True, kw_only=True, tag="submit.v1"):
     """How long (wall seconds, from its arrival at the gateway) the client waits for the answer. Past it,
     the gateway and the engine stop working on the request and answer `deadline_exceeded` (nobody would
     read a later answer); None: the gateway's `max_request_wall_s`."""
+    ack: bool = False
+    """Ask the gateway to confirm it owns the request: an `Accepted` to the reply inbox once it has
+    dispatched or held it. A client that hears neither that nor an answer for a while sends the request
+    again (same id): one a gateway took but lost in a crash before owning it is not lost."""
 
     def prompt_tokens(self) -> int:
         """Input length in tokens: the count given, else the text's approximate count. Pure."""
@@ -110,6 +114,14 @@ class Ping(_Msg, frozen=True, kw_only=True, tag="ping.v1"):
     """A liveness probe on the submit subject; the gateway answers `Pong`."""
 
     request_id: Id = "ping"
+
+
+class Accepted(_Msg, frozen=True, kw_only=True, tag="accepted.v1"):
+    """The gateway owns a request (`SubmitRequest.ack`): it will be answered, or refused with an error,
+    before its deadline; not an answer (the `Reply` or `ErrorReply` still comes)."""
+
+    request_id: str
+    gateway_id: str
 
 
 class Pong(_Msg, frozen=True, kw_only=True, tag="pong.v1"):
@@ -598,6 +610,11 @@ def decode(data: bytes, kind: type[msgspec.Struct] | object) -> msgspec.Struct:
         raise _too_deep() from None
 
 
-def decode_reply(data: bytes) -> Reply | ErrorReply | Pong | ReplyChunk:
+def decode_reply(data: bytes) -> Reply | ErrorReply | Pong | ReplyChunk | Accepted:
     """Decode what comes back to a client. Pure; raises `SchemaError`."""
-    return decode(data, Reply | ErrorReply | Pong | ReplyChunk)  # type: ignore[return-value]
+    return decode(data, Reply | ErrorReply | Pong | ReplyChunk | Accepted)  # type: ignore[return-value]
+
+
+ACCEPTED_PREFIX = b'{"type":"accepted.v1"'
+"""How an encoded `Accepted` starts (msgspec writes the tag first): a client tells it from an answer
+without decoding."""

@@ -319,7 +319,8 @@ async def test_a_stalled_replica_fences_itself_and_nothing_is_answered_twice(ser
         assert sorted(r.request_id for r in replies) == sorted(f"q{i}" for i in range(20))
         assert stalled.num_fenced == 1 and (held == 0 or gw.num_requeued == held)
         await asyncio.sleep(0.2)
-        finals = Counter(decode_reply(m.data).request_id for m in tap.msgs)
+        finals = Counter(a.request_id for a in map(decode_reply, (m.data for m in tap.msgs))
+                         if isinstance(a, (Reply, ErrorReply)))
         assert sorted(finals) == sorted(f"q{i}" for i in range(20)) and all(n == 1 for n in finals.values()), finals
 
 
@@ -334,8 +335,8 @@ async def test_completed_goes_out_before_the_reply(server) -> None:
             if msg.subject == subjects.completions():
                 c = decode(msg.data, Completed)
                 order.extend(("completed", i.request_id) for i in c.items)
-            elif msg.subject.startswith("_INBOX"):
-                order.append(("reply", decode_reply(msg.data).request_id))
+            elif msg.subject.startswith("_INBOX") and isinstance(a := decode_reply(msg.data), Reply):
+                order.append(("reply", a.request_id))
         tap_nc = await nats.connect(server.url)
         stack.push_async_callback(tap_nc.close)
         await tap_nc.subscribe(">", cb=on_any)  # one subscription: its messages are read in their order
@@ -397,3 +398,28 @@ async def test_admission_by_measured_rate_refuses_what_could_not_be_served_in_ti
         assert codes[ErrorCode.OVERLOADED] > 0 and codes["ok"] > 0, codes
         assert set(codes) <= {"ok", ErrorCode.OVERLOADED}, codes  # nothing timed out or expired
         assert max(took) < 4.0
+
+
+async def test_a_request_lost_in_a_gateway_before_it_was_owned_is_sent_again(server) -> None:
+    """A gateway that read a request and crashed before owning it: the client hears no `Accepted` and
+    publishes the request again, which a live gateway serves (once)."""
+    from oserve.streams.client import ReconnectPolicy
+
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, _ = await start_system(stack, server.url)
+        crashed = await nats.connect(server.url)
+        stack.push_async_callback(crashed.close)
+        swallowed: list[str] = []
+
+        async def dies_with_it(msg) -> None:  # in the gateways' queue group: takes requests, owns none
+            swallowed.append(msg.reply)
+            if len(swallowed) == 1:
+                await sub.unsubscribe()  # a few more may be on their way to it meanwhile
+        sub = await crashed.subscribe(subjects.submit(), queue="gateway", cb=dies_with_it)
+        await crashed.flush()
+        client = OServeClient(nc, subjects, default_timeout_s=10, reconnect=ReconnectPolicy(accept_timeout_s=0.3))
+        replies = await asyncio.gather(*(client.submit(input_tokens=10, max_tokens=4, request_id=f"a{i}")
+                                         for i in range(6)))
+        assert sorted(r.request_id for r in replies) == [f"a{i}" for i in range(6)]
+        assert swallowed and client.num_unaccepted_resent >= len(swallowed)
+        assert engines[0].num_answered == 6 and client.num_duplicates == 0

@@ -56,7 +56,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
-from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Arrival, Arrived, AssignmentSet,
+from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Accepted, Arrival, Arrived,
+                                    AssignmentSet,
                                     CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Ping, Pong,
                                     SchemaError, SubmitRequest, decode, decode_submit, encode, fingerprint,
                                     request_id_of)
@@ -442,6 +443,11 @@ class Gateway(Worker):
         if msg.reply and reply_error(msg.reply, self._reply_roots) is None:
             await self.nc.publish(msg.reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
 
+    async def _accepted(self, req: SubmitRequest, reply: str) -> None:
+        """Confirm ownership to a client that asked (`SubmitRequest.ack`)."""
+        if req.ack:
+            await self.nc.publish(reply, encode(Accepted(request_id=req.request_id, gateway_id=self.config.gateway_id)))
+
     def _overloaded(self, replica_id: str, deadline_s: float, now: float) -> str | None:
         """Why a new request may not join the replica's queue, or None (see `GatewayConfig.max_queue_wall_s`)."""
         r = self._replicas[replica_id]
@@ -531,9 +537,19 @@ class Gateway(Worker):
                     await self._reject(msg, req.request_id, ErrorCode.INVALID,
                                        "request id already in flight with other content; choose a unique id")
                     return
+                if msg.reply == existing.reply:
+                    # the client published it again (it heard nothing: a lost confirmation, a reconnect):
+                    # the answer comes once, on that inbox, wherever the request is
+                    if existing.replica_id is not None:
+                        headers = inject(span, existing.headers) if span is not None else existing.headers
+                        await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
+                                              reply=msg.reply, headers=headers)
+                    await self._accepted(req, msg.reply)
+                    return
                 if existing.wait_until_wall_s is not None:
                     # a retry of a request held since it came in: answered on the retry's inbox, in time
                     existing.reply = msg.reply
+                    await self._accepted(req, msg.reply)
                     return
                 if existing.replica_id is None:
                     await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA,
@@ -543,6 +559,7 @@ class Gateway(Worker):
                 headers = inject(span, existing.headers) if span is not None else existing.headers
                 await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
                                       reply=msg.reply, headers=headers)
+                await self._accepted(req, msg.reply)
                 return
             if len(self.pending) >= cfg.max_pending:
                 await self._reject(msg, req.request_id, ErrorCode.OVERLOADED,
@@ -585,6 +602,7 @@ class Gateway(Worker):
                                                                   fingerprint=ask)
                 self._sent(replica_id, pending)
             heapq.heappush(self._deadlines, (now + timeout_s, req.request_id))
+            await self._accepted(req, msg.reply)
             self.num_accepted += 1
             if self.metrics is not None:
                 self.metrics.accepted.inc()
