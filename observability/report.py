@@ -237,3 +237,32 @@ def learned_tables(rows: list[dict], path: Path, title: str = "") -> Path:
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
     return _save(plt, fig, path)
+
+
+def chaos(phases: list[dict], path: Path, title: str = "") -> Path:
+    """Per fault of `oserve bench chaos`: requests answered, refused with an error code, lost and answered
+    twice (stacked, of those sent), and the recovery time (dots, right axis)."""
+    plt = _plt()
+    names = [p["fault"] for p in phases]
+    x = np.arange(len(phases))
+    answered = np.array([p["answered"] for p in phases], dtype=float)
+    errors = np.array([sum(p["errors"].values()) - p["lost"] for p in phases], dtype=float)
+    lost = np.array([p["lost"] for p in phases], dtype=float)
+    twice = np.array([p["answered_twice"] for p in phases], dtype=float)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(phases) + 2), 4))
+    ax.bar(x, answered, 0.6, label="answered", color="tab:green")
+    ax.bar(x, errors, 0.6, bottom=answered, label="error code", color="tab:orange")
+    ax.bar(x, lost, 0.6, bottom=answered + errors, label="lost", color="tab:red")
+    ax.bar(x + 0.32, twice, 0.12, label="answered twice", color="black")
+    ax.set_xticks(x)
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("requests")
+    right = ax.twinx()
+    right.plot(x, [p["recovery_s"] for p in phases], "o", color="tab:blue", label="recovery (s)")
+    right.set_ylabel("recovery (s)", color="tab:blue")
+    right.set_ylim(bottom=0)
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = right.get_legend_handles_labels()
+    ax.legend(handles + h2, labels + l2, fontsize=7, loc="lower left")
+    ax.set_title(title, fontsize=9)
+    return _save(plt, fig, path)

@@ -444,7 +444,7 @@ class OServeClient:
     async def _resend_unaccepted(self, wait: _Wait, request_id: str) -> None:
         """Publish again a request no gateway confirmed owning in time (`ReconnectPolicy.accept_timeout_s`)."""
         wait.ack_wait_s *= 2
-        wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s
+        wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s  # also when it cannot go now
         if wait.payload is None or not self.nc.is_connected:
             return  # down: the reconnect's resend covers it
         inbox = next((i for i, w in self._answers.items() if w is wait), None)
@@ -541,9 +541,13 @@ class OServeClient:
         return inbox, wait
 
     async def _publish(self, inbox: str, wait: _Wait, payload: bytes, headers: dict | None) -> None:
-        """Publish one request (again, after a reconnect), noting on which connection it went out."""
+        """Publish one request (again, after a reconnect), noting on which connection it went out; a
+        confirmation awaited (`ReconnectPolicy.accept_timeout_s`) is awaited from now, so a request is never
+        out twice at once for want of one."""
         wait.payload, wait.headers = payload, headers
         wait.gen, wait.sent_connected = self._generation(), self.nc.is_connected
+        if wait.ack_due is not None:
+            wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s
         try:
             # a copy of the headers: nats-py may keep what it is handed while the message waits in its buffer
             await self.nc.publish(self.subjects.submit(), payload, reply=inbox,

@@ -430,5 +430,8 @@ async def connect(url: str, name: str) -> NATS:
     async def error(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
 
+    # a quarter second between attempts (nats-py's default is 2 s): a worker back soon after the server is
+    # what lets a client's resend after its own reconnect (`ReconnectPolicy.resend_delay_s`) find the answers
+    # the engines buffered while cut off, rather than draw second ones
     return await nats.connect(url, name=name, disconnected_cb=disconnected, reconnected_cb=reconnected,
-                              error_cb=error, max_reconnect_attempts=-1)
+                              error_cb=error, max_reconnect_attempts=-1, reconnect_time_wait=0.25)
