@@ -43,8 +43,8 @@ import numpy as np
 
 from oserve.errors import ConfigError
 from oserve.streams.client import ClientError, OServeClient, RequestRejected
-from oserve.streams.schemas import (ErrorCode, ErrorReply, Reply, ReplicaSpec, SchemaError, StrategyChosen, SwitchPlanned,
-                                    decode, decode_reply, encode)
+from oserve.streams.schemas import (ErrorCode, ErrorReply, Reply, ReplicaSpec, SchemaError, StrategyChosen, SwitchEvent,
+                                    SwitchPlanned, decode, decode_reply, encode)
 from oserve.streams.server import NatsServer
 from oserve.streams.subjects import Subjects
 
@@ -152,10 +152,19 @@ class _Workers:
 
 
 class _Tap:
-    """Final answers (`Reply`, `ErrorReply`) per request id, as they cross the wire to the clients' inboxes."""
+    """Final answers (`Reply`, `ErrorReply`) per request id, as they cross the wire to the clients' inboxes;
+    and the switch events (`plan.switch`) by kind."""
 
     def __init__(self) -> None:
         self.finals: Counter[str] = Counter()
+        self.switch_events: Counter[str] = Counter()
+
+    async def on_switch(self, msg) -> None:
+        try:
+            ev = decode(msg.data, SwitchEvent)
+        except SchemaError:
+            return
+        self.switch_events[ev.__struct_config__.tag] += 1
 
     async def on(self, msg) -> None:
         try:
@@ -252,6 +261,7 @@ async def _run(config: ChaosConfig, server: NatsServer, workers: _Workers, subje
     ctl_nc = await nats.connect(server.url, max_reconnect_attempts=-1, name="chaos-control", error_cb=quiet)
     tap = _Tap()
     await tap_nc.subscribe(f"{subjects.reply_prefix()}.>", cb=tap.on)
+    await tap_nc.subscribe(subjects.plan_event("switch"), cb=tap.on_switch)
     began = loop.time()
     try:
         await _wait_ready(client, workers, config.ready_timeout_wall_s)
@@ -288,6 +298,7 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
     loop = asyncio.get_running_loop()
     sent: dict[str, _Sent] = {}
     before_dupes = client.num_duplicates
+    events_before = Counter(tap.switch_events)
     t0 = loop.time()
 
     async def one(i: int) -> None:
@@ -370,5 +381,6 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
             "disrupted": len(failed_after), "p99_wall_s": _p99([r.took_wall_s for r in sent.values()
                                                                  if r.outcome == "ok"]),
             "p99_s": _p99(e2e),
-            "fault_at_s": fault_at_s, "error_examples": examples}
+            "fault_at_s": fault_at_s, "error_examples": examples,
+            "switch_events": dict(tap.switch_events - events_before)}
 
