@@ -626,3 +626,55 @@ async def test_no_password_in_errors_logs_or_the_server_log(tmp_path, caplog) ->
     for secret in (*passwords.values(), wrong):
         assert secret not in everything
     assert redact("nats://u:p4ss@h:1 and p4ss", ["p4ss"]) == "nats://u:***@h:1 and ***"
+
+
+async def test_oserve_worker_http_under_its_own_identity_gets_its_answers(capsys) -> None:
+    """`oserve worker http` (`live_cmds._serve` with the `http` worker alone) connects on the `http` role's
+    inbox prefix, so the answers to its requests reach it under the role's permissions (on nats-py's
+    default `_INBOX` they were refused, and the front of `k8s/` got no answer)."""
+    from oserve.cli.live_cmds import _serve, _system_config
+    from oserve.workers.clock import Clock
+    from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+    from oserve.workers.gateway import Gateway, GatewayConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        def url(user: str) -> str:
+            return f"nats://{user}:test-{user}@127.0.0.1:{srv.port}"
+        subjects = Subjects()  # the configs' permissions are for the `oserve` prefix
+        gw_nc, engine_nc = await nats.connect(url("gateway")), await nats.connect(url("engines"))
+        clock = Clock(speedup=50.0)
+        engine = EngineWorker(engine_nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05),
+                              clock)
+        gw = Gateway(gw_nc, GatewayConfig(subjects=subjects), clock)
+        await engine.start()
+        await gw.start()
+        config = _system_config("oserve", "llama2-7b", 8, 50.0, 60.0, "azure-conv", "none", "", workers=("http",),
+                                http_port=http_port)
+        front = asyncio.create_task(_serve(url("http"), config, duration_s=30.0, label="http"))
+        try:
+            await gw.wait_for_replicas(1, 5)
+            body = json.dumps({"model": "llama2-7b", "prompt": "hello", "max_tokens": 4}).encode()
+
+            def post() -> dict:
+                req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return json.loads(resp.read())
+            answer = None
+            for _ in range(100):  # until the front is up
+                try:
+                    answer = await asyncio.to_thread(post)
+                    break
+                except OSError:
+                    await asyncio.sleep(0.1)
+            assert answer is not None and answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] == 4
+        finally:
+            front.cancel()
+            await asyncio.gather(front, return_exceptions=True)
+            await gw.stop()
+            await engine.stop()
+            await gw_nc.close()
+            await engine_nc.close()

@@ -415,8 +415,9 @@ def _replay_counters(client: OServeClient) -> dict[str, int]:
             "reconnects": int(stats.get("reconnects", 0))}
 
 
-async def connect(url: str, name: str) -> NATS:
-    """A worker connection with reconnects and logged disconnects."""
+async def connect(url: str, name: str, *, inbox_prefix: str | None = None) -> NATS:
+    """A worker connection with reconnects and logged disconnects; `inbox_prefix` (None: nats-py's `_INBOX`)
+    is where the answers to its own requests come (the HTTP front's role may read only its own)."""
     import logging
 
     log = logging.getLogger("oserve.nats")
@@ -433,5 +434,6 @@ async def connect(url: str, name: str) -> NATS:
     # a quarter second between attempts (nats-py's default is 2 s): a worker back soon after the server is
     # what lets a client's resend after its own reconnect (`ReconnectPolicy.resend_delay_s`) find the answers
     # the engines buffered while cut off, rather than draw second ones
+    extra = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
     return await nats.connect(url, name=name, disconnected_cb=disconnected, reconnected_cb=reconnected,
-                              error_cb=error, max_reconnect_attempts=-1, reconnect_time_wait=0.25)
+                              error_cb=error, max_reconnect_attempts=-1, reconnect_time_wait=0.25, **extra)

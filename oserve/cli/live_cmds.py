@@ -116,7 +116,10 @@ async def _serve(url: str, config, duration_s: float, label: str, view: bool = F
     from oserve.workers.system import LiveSystem, connect, planning_inputs
 
     inputs = planning_inputs(config)
-    nc = await connect(url, f"oserve-{label}")
+    # the HTTP front alone (`oserve worker http`, under its own identity) reads only its own inbox prefix
+    http_only = tuple(config.workers) == ("http",)
+    nc = await connect(url, f"oserve-{label}",
+                       inbox_prefix=f"{config.subjects.reply_prefix()}.http" if http_only else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
