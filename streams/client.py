@@ -269,8 +269,14 @@ class OServeClient:
         errors: list[BaseException] = []  # what the last connect attempts failed with
         rng = random.Random()
 
+        refused = asyncio.Event()  # the server refused the credentials: no point in trying until the timeout
+
         async def on_error(exc: Exception) -> None:
             errors[:] = [exc]
+            # nats-py reports the server's -ERR as a plain nats.errors.Error carrying its text
+            if not nc.is_connected and (isinstance(exc, nats.errors.AuthorizationError)
+                                        or "authorization violation" in str(exc).lower()):
+                refused.set()
             log.debug("client: NATS error: %s", exc)
 
         async def on_disconnected() -> None:
@@ -290,14 +296,25 @@ class OServeClient:
 
         nc = NATS()
         try:
-            # nats-py retries a first connect forever when reconnects are unlimited: bound it here
-            await asyncio.wait_for(
+            # nats-py retries a first connect forever when reconnects are unlimited: bound it here, and end it
+            # at once when the server refuses the credentials
+            connecting = asyncio.ensure_future(
                 nc.connect(url, user=user, password=password, connect_timeout=connect_timeout_s, name=name,
                            inbox_prefix=f"{subjects.reply_prefix()}.{user or 'anon'}",
                            max_reconnect_attempts=-1, reconnect_to_server_handler=next_server,
                            pending_size=reconnect.pending_bytes, error_cb=on_error,
-                           disconnected_cb=on_disconnected, reconnected_cb=on_reconnected),
-                connect_timeout_s)
+                           disconnected_cb=on_disconnected, reconnected_cb=on_reconnected))
+            was_refused = asyncio.ensure_future(refused.wait())
+            try:
+                done, _ = await asyncio.wait({connecting, was_refused}, timeout=connect_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                was_refused.cancel()
+            if connecting not in done:
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+                raise TimeoutError
+            connecting.result()
         except (OSError, nats.errors.Error, TimeoutError) as exc:
             await _abandon(nc)
             why = errors[-1] if errors else exc

@@ -678,3 +678,16 @@ async def test_oserve_worker_http_under_its_own_identity_gets_its_answers(capsys
             await engine.stop()
             await gw_nc.close()
             await engine_nc.close()
+
+
+async def test_refused_credentials_fail_at_once_not_at_the_connect_timeout() -> None:
+    from oserve.streams.client import CannotConnect, OServeClient
+
+    with NatsServer(config_file=str(DEPLOY / "nats-test.conf")) as srv:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(CannotConnect) as info:
+            await OServeClient.connect(f"nats://127.0.0.1:{srv.port}", user="alice", password="not-hers-4711",
+                                       connect_timeout_s=8.0)
+        assert loop.time() - began < 2.0, "waited for the timeout after the server said no"
+        assert "not-hers-4711" not in str(info.value) and "authorization" in str(info.value).lower()
