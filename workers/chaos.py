@@ -9,7 +9,10 @@ fault. In each phase the fault comes `fault_at_wall_s` in:
 - `switch-half`: a switch is ordered (a strategy that renames one replica, as the scheduler would
   publish it) and the engine host is SIGKILLed as soon as the switch is planned, then started again;
 - `nats-short`, `nats-long`: the nats-server is SIGKILLed and started again on its port and store after
-  `nats_short_wall_s` / `nats_long_wall_s`.
+  `nats_short_wall_s` / `nats_long_wall_s`;
+- `burst`: `burst_requests` long requests (timeout `burst_timeout_s`) come at once beside the steady ones,
+  far more than the replicas serve before their deadline; the phase reports what became of them
+  (`burst`: answered, and refused by code) and how long the steady requests were disrupted.
 
 A tap (its own connection, subscribed to every client inbox) counts the final answers each request
 gets on the wire. Per phase: `sent`; `answered` (a `Reply`); `answered_twice` (the larger of: requests
@@ -50,7 +53,7 @@ from oserve.streams.subjects import Subjects
 
 PROCESSES = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
 """The worker processes of the system under test (`oserve worker NAME`); the HTTP front is left out."""
-FAULTS = (*PROCESSES, "switch-half", "nats-short", "nats-long")
+FAULTS = (*PROCESSES, "switch-half", "nats-short", "nats-long", "burst")
 DOCUMENTED_CODES = frozenset(v for k, v in vars(ErrorCode).items() if k.isupper()) | {"no_gateway"}
 """What a failed request may be answered with: the system's `ErrorCode`s, and NATS's "no responders"
 (`NoGateway`: nobody took it; safe to send again). A client-side timeout or lost connection is `lost`."""
@@ -79,6 +82,8 @@ class ChaosConfig:
     model: str = "llama2-7b"
     trace: str = "azure-conv"
     max_output_tokens: int = 512
+    burst_requests: int = 2000
+    burst_timeout_s: float = 10.0
     """Output lengths from the trace are capped here, so a phase's requests finish within it."""
     ready_timeout_wall_s: float = 120.0
     seed: int = 0
@@ -332,6 +337,8 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
             workers.kill(fault)
             await asyncio.sleep(config.down_wall_s)
             workers.start(fault)
+        elif fault == "burst":
+            burst_task.append(asyncio.create_task(_burst(config, client, k)))
         elif fault == "switch-half":
             planned = asyncio.Event()
 
@@ -356,9 +363,11 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
         return at
 
     n = len(inputs)
+    burst_task: list[asyncio.Task] = []
     fault_task = asyncio.create_task(inject())
     await asyncio.gather(*(one(i) for i in range(n)))
     fault_at_s = await fault_task
+    burst = await burst_task[0] if burst_task else None
     await asyncio.sleep(config.settle_wall_s)
     outcomes = Counter(r.outcome for r in sent.values())
     errors = {code: c for code, c in sorted(outcomes.items()) if code != "ok"}
@@ -382,5 +391,30 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
                                                                  if r.outcome == "ok"]),
             "p99_s": _p99(e2e),
             "fault_at_s": fault_at_s, "error_examples": examples,
-            "switch_events": dict(tap.switch_events - events_before)}
+            "switch_events": dict(tap.switch_events - events_before),
+            **({"burst": burst} if burst is not None else {})}
+
+
+async def _burst(config: ChaosConfig, client: OServeClient, k: int) -> dict:
+    """`burst_requests` long requests at once; what became of them, by outcome."""
+    loop = asyncio.get_running_loop()
+    outcomes: Counter[str] = Counter()
+    took: list[float] = []
+
+    async def one(i: int) -> None:
+        began = loop.time()
+        try:
+            await client.submit(input_tokens=2000, max_tokens=config.max_output_tokens,
+                                sim_output_tokens=config.max_output_tokens, request_id=f"burst{k}-{i}",
+                                timeout_s=config.burst_timeout_s)
+            outcomes["ok"] += 1
+        except RequestRejected as exc:
+            outcomes[exc.code] += 1
+        except ClientError as exc:
+            outcomes[getattr(exc, "code", "client_error")] += 1
+        took.append(loop.time() - began)
+    began = loop.time()
+    await asyncio.gather(*(one(i) for i in range(config.burst_requests)))
+    return {"sent": config.burst_requests, "outcomes": dict(sorted(outcomes.items())),
+            "all_ended_wall_s": loop.time() - began, "p99_wall_s": _p99(took)}
 
