@@ -5,12 +5,21 @@
 - Exactly once: requests are de-duplicated by reply-inbox prefix and request id (`dedupe_key`: one
   client's retries match, another client reusing the id does not) and served once. A duplicate of one still
   in flight is not served again: to the same inbox it is dropped, to a new inbox (a client's retry)
-  the one answer is sent there too; a duplicate of one already answered gets the stored reply
-  (the last `dedupe_capacity` answers are kept).
-- Completions are published in batches (`Completed`, ids and numbers, every `completion_flush_wall_s`)
-  on the completions subject, which a JetStream stream captures; the gateway uses them to forget what
-  it forwarded, the forecaster to learn true output lengths. Requests answered with an error are listed
-  in `Completed.released` (no numbers), so the gateway forgets them too.
+  the one answer is sent there too; a duplicate of one already answered, asking the same
+  (`Dispatch.fingerprint`), gets the stored reply (the last `dedupe_capacity` answers are kept) and is
+  released; one asking something else is served anew. A dispatch whose reply subject is not an inbox
+  is dropped (`reply_error`): it came from no gateway.
+- Completions (`Completed`, ids and numbers) go out on the completions subject, which a JetStream stream
+  captures, before the replies they name and in the same write (a crash loses both or neither); the
+  gateway uses them to forget what it forwarded, the forecaster to learn true output lengths.
+- Deadlines: a dispatch past its `deadline_unix_s` is refused `deadline_exceeded`, and one in flight is
+  aborted at it (its KV freed) with that answer. Beyond `max_waiting` waiting, a dispatch is refused
+  `overloaded`.
+- Fencing: a replica whose own loop went `fence_after_wall_s` without a heartbeat (a pause, a long
+  collection) may have been declared dead and its requests re-dispatched; it drops what it holds
+  unanswered and hands it back (`Completed.requeue`) before it answers anything else.
+- Requests answered with an error are listed in `Completed.released` (no numbers), so the gateway
+  forgets them too.
 - `stop()` is as good as a crash (the gateway re-dispatches); `fail_inflight()` after it answers what
   was left with `shutting_down` errors instead (an engine host's orderly stop).
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`, with the load and the backend's cumulative
@@ -69,7 +78,8 @@ class EngineWorkerConfig:
     sim: SimBackendConfig = field(default_factory=SimBackendConfig)
     heartbeat_interval_wall_s: float = 0.5
     completion_flush_wall_s: float = 0.02
-    """Completions are batched for at most this long (wall seconds) before they are published."""
+    """Releases (requests answered with an error, or from the cache, outside a step's end) are batched for
+    at most this long (wall seconds); completions go out with their replies. Deadlines are checked as often."""
     telemetry_interval_s: float = 5.0
     """Clock seconds between telemetry messages."""
     dedupe_capacity: int = 100_000
@@ -153,7 +163,6 @@ class EngineWorker(Worker):
         # dedupe key + " " + fingerprint -> reply
         self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._answered_bytes = 0  # sum of len() of the replies in _answered
-        self._completions: list[Completion] = []
         self._released: list[str] = []  # request ids answered with an error since the last flush
         self._wake = asyncio.Event()
         self._waiting_for_s: float | None = None  # the backend event time the step loop sleeps towards
@@ -329,8 +338,9 @@ class EngineWorker(Worker):
             self._wake.set()  # the step loop sleeps towards a stale time
 
     async def _refuse(self, reply: str, request_id: str, code: str, message: str) -> None:
-        """Answer a dispatch with an error without serving it, and release it (the gateway forgets it)."""
-        self._released.append(request_id)
+        """Answer a dispatch with an error without serving it, and release it (the gateway forgets it): the
+        release first, in the same write, as `_finish` does."""
+        await self._publish_completed([], [request_id])
         if reply:
             await self.nc.publish(reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
 
@@ -347,8 +357,8 @@ class EngineWorker(Worker):
             self.num_expired += 1
             payload = encode(ErrorReply(request_id=item.job.request_id, code=ErrorCode.DEADLINE_EXCEEDED,
                                         message="the request's deadline passed before its answer was ready"))
+            await self._publish_completed([], [item.job.request_id])  # before the answer, as `_finish` does
             await self._drop(item, reason="deadline_exceeded", payload=payload)
-            self._released.append(item.job.request_id)
 
     async def _drop(self, item: _InFlight, *, reason: str, payload: bytes | None) -> None:
         """Take one in-flight request out of the backend (freeing its KV) and end it; `payload` goes to its
@@ -555,9 +565,9 @@ class EngineWorker(Worker):
                 self._chunk_tick_s = None
 
     async def _flush_completions(self) -> None:
-        items, self._completions = self._completions, []
+        """Publish the releases gathered since the last flush (answers are published with their replies)."""
         released, self._released = self._released, []
-        await self._publish_completed(items, released)
+        await self._publish_completed([], released)
 
     async def _publish_completed(self, items: list[Completion], released: list[str]) -> None:
         for i in range(0, max(len(items), len(released)), EVENT_BATCH_ITEMS):

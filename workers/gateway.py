@@ -1,8 +1,10 @@
 """Gateway/router worker: validates client requests, classifies, routes, and owns them until answered.
 
 - A queue group (`GatewayConfig.queue_group`) on the submit subject shares the load among gateways.
-- Validation at the edge (`decode_submit`): any bad input gets a structured `ErrorReply`, never a crash
-  or a silence.
+- Validation at the edge (`decode_submit`): any bad input gets a structured `ErrorReply` naming the
+  request when its id can be read, never a crash or a silence. The reply subject must be an inbox
+  (`reply_error`, `GatewayConfig.reply_roots`): a request with another, or none, is dropped unanswered
+  (`num_bad_reply`), as the engine would publish its answer there with a worker's permissions.
 - Classification at arrival by the online estimator (`oserve.online_types.OnlineTypes`, as fitted
   before serving: input length, the client's max tokens or output hint, its `client` tag), which keeps
   learning from the engines' completions (true lengths, known only then) with the same features. Routing by the one rule every plan is
@@ -22,7 +24,21 @@
   silent through a stall) delays requests instead of refusing them. An engine's error replies are
   `released` in its `Completed` events, so the gateway forgets them too. A request id still in flight
   for another client (another inbox prefix) is refused `invalid`, never served with the first
-  client's answer.
+  client's answer; one the same client reuses for another ask (`fingerprint`) is refused `invalid` while
+  the first is in flight. The same request published again on the same inbox (the client heard
+  nothing) is taken as the same: its dispatch goes again, the engine answers once.
+- Ownership: a request that asks (`SubmitRequest.ack`) is told `Accepted` once it is dispatched or held;
+  the client publishes again what no gateway confirmed, so one read by a gateway that crashed before
+  owning it is not lost.
+- Deadlines: each request's is its `timeout_s` (capped by `max_request_wall_s`) less a margin
+  (`deadline_s`), carried to the engine in the `Dispatch`. A held request is answered `deadline_exceeded`
+  at it; a dispatched one is its engine's to answer, and is forgotten silently a grace period later.
+- Admission: a new request is refused `overloaded` when the replica it would go to holds more waiting
+  requests than it serves, at its measured service rate (completions per clock second of its busy time,
+  `Heartbeat.busy_s`), before the request's deadline (or `max_queue_wall_s`), or more than
+  `max_waiting_per_replica`; `max_pending` bounds what one gateway holds.
+- Its own disconnection: while cut off from NATS the failure detector is paused (every replica would
+  look silent), and every replica gets a fresh timeout once it is back.
 - The failure detector does not count its own stalls: when the gateway's loop wakes late (a long
   garbage collection, a thread holding the interpreter, a paused process), the lateness is taken off
   every replica's silence, up to the longest time since the last check in which the gateway read no
