@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
@@ -184,7 +185,7 @@ class EngineWorker(Worker):
         self._window_e2e: list[float] = []
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline_unix_s, seq) of in-flight requests
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
-        self._last_beat_wall_s: float | None = None  # loop time of the last heartbeat sent
+        self._last_beat_wall_s: float | None = None  # loop time of the last heartbeat the server confirmed
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -347,6 +348,9 @@ class EngineWorker(Worker):
     async def _expire(self) -> None:
         """Abort the in-flight requests whose deadline passed (nobody waits for them), answering
         `deadline_exceeded` and releasing them."""
+        if self._stalled():  # what it holds may be another replica's by now: hand it back, answer nothing
+            await self._fence()
+            return
         now_unix = time.time()
         heap = self._deadlines
         while heap and heap[0][0] <= now_unix:
@@ -385,7 +389,8 @@ class EngineWorker(Worker):
             self._wake.set()
 
     def _stalled(self) -> bool:
-        """Whether this replica's loop went longer without sending a heartbeat than `fence_after_wall_s`."""
+        """Whether this replica went longer than `fence_after_wall_s` without a heartbeat the server confirmed
+        having (its loop stalled, or its connection was down or too slow: the gateways heard nothing)."""
         last = self._last_beat_wall_s
         return last is not None and asyncio.get_running_loop().time() - last > self.config.fence_after_wall_s
 
@@ -586,7 +591,6 @@ class EngineWorker(Worker):
         if self._stalled() and self._inflight:
             await self._fence()  # it sends the heartbeat
             return
-        self._last_beat_wall_s = asyncio.get_running_loop().time()
         load = self.backend.load()
         if self.metrics is not None:
             self.metrics.engine_load(self.config.sim.model, self.config.replica_id, num_running=load.num_running,
@@ -598,8 +602,19 @@ class EngineWorker(Worker):
             **self.clock.stamp())))
 
     async def _heartbeat_loop(self) -> None:
+        """A heartbeat every interval; one counts for the fence (`_stalled`) only once the server confirms it
+        has it (a flush's round trip): one buffered through a disconnection, or stuck behind a slow link,
+        reached no gateway."""
+        loop = asyncio.get_running_loop()
         while True:
-            await self._send_heartbeat()
+            sent_at = loop.time()
+            try:
+                await self._send_heartbeat()
+                await self.nc.flush(timeout=self.config.fence_after_wall_s)
+            except (nats.errors.Error, TimeoutError, OSError):
+                pass  # not delivered: the next one tries again
+            else:
+                self._last_beat_wall_s = max(self._last_beat_wall_s or sent_at, sent_at)
             await asyncio.sleep(self.config.heartbeat_interval_wall_s)
 
     async def _telemetry_loop(self) -> None:

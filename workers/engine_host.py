@@ -1,7 +1,8 @@
 """The engine host: the engine workers of one host, started and drained on the switch planner's command.
 
 A `StartReplica` brings a replica up after the modelled weight transfer (`ready_after_s` on the
-clock) and reports `ReplicaReady`; a `DrainReplica` finishes its requests, releases it and reports
+clock) and reports `ReplicaReady` (one already serving is only reported; one whose worker stopped on a
+failure is started anew, which is how the switch planner's restart of a silent replica reaches it); a `DrainReplica` finishes its requests, releases it and reports
 `ReplicaDrained`. A drain that arrives while the replica is still starting cancels the start.
 """
 
@@ -90,6 +91,11 @@ class EngineHost(Worker):
 
     async def _start_replica(self, cmd: StartReplica, headers) -> None:
         rid = cmd.replica.replica_id
+        dead = self.engines.get(rid)
+        if dead is not None and not dead.running:  # its loop failed (`Worker.failure`): start it anew
+            log.warning("%s: replica %s had stopped (%r); starting it again", self.config.host_id, rid, dead.failure)
+            del self.engines[rid]
+            await dead.stop()
         if rid not in self.engines and rid not in self._starting:
             self._starting.add(rid)
             try:

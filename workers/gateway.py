@@ -33,10 +33,11 @@
 - Deadlines: each request's is its `timeout_s` (capped by `max_request_wall_s`) less a margin
   (`deadline_s`), carried to the engine in the `Dispatch`. A held request is answered `deadline_exceeded`
   at it; a dispatched one is its engine's to answer, and is forgotten silently a grace period later.
-- Admission: a new request is refused `overloaded` when the replica it would go to holds more waiting
-  requests than it serves, at its measured service rate (completions per clock second of its busy time,
-  `Heartbeat.busy_s`), before the request's deadline (or `max_queue_wall_s`), or more than
-  `max_waiting_per_replica`; `max_pending` bounds what one gateway holds.
+- Admission: a new request is refused `overloaded` when the replica it would go to is full (its KV load,
+  as reported and sent since) and holds more waiting requests than it serves, at its measured service rate (completions per clock second
+  while it was full, from `Heartbeat.saturated_s` and `busy_s`), before the request's deadline (or
+  `max_queue_wall_s`); or when more than `max_waiting_per_replica` wait there. `max_pending` bounds what
+  one gateway holds.
 - Its own disconnection: while cut off from NATS the failure detector is paused (every replica would
   look silent), and every replica gets a fresh timeout once it is back.
 - The failure detector does not count its own stalls: when the gateway's loop wakes late (a long
@@ -57,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import heapq
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -92,11 +94,13 @@ EARLY_CANCEL_WALL_S = 5.0
 subscription's callbacks run in a task of their own, so under a backlog of submits a cancel can be read
 first (wall seconds)."""
 MAX_EARLY_CANCELS = 10_000
-MIN_RATE_BUSY_S = 10.0
-"""Clock seconds of busy time, and ..."""
-MIN_RATE_COMPLETIONS = 20
-"""... completions, a replica's service rate needs before admission goes by it."""
 """Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
+MIN_RATE_SATURATED_S = 3.0
+"""Clock seconds of saturated time (steps that ended with requests waiting) ..."""
+MIN_RATE_BUSY_S = 10.0
+"""... or, without them, of busy time, and ..."""
+MIN_RATE_COMPLETIONS = 20
+"""... completions a replica's service rate needs before admission goes by it."""
 
 
 def deadline_s(timeout_s: float | None, max_s: float) -> float:
@@ -136,17 +140,19 @@ class GatewayConfig:
     """Deadline of a request that gives no `timeout_s` (wall seconds from its arrival here); a request's
     own `timeout_s` is capped by it too."""
     max_queue_wall_s: float | None = None
-    """A new request is refused `overloaded` when the replica it would go to already holds more waiting
-    work than it serves in this many wall seconds (its completions rate, measured from `Completed` over
-    the last `rate_window_wall_s`), so an overload is refused within seconds instead of queueing for
-    minutes; None: the request's own deadline."""
+    """A new request is refused `overloaded` when the replica it would go to is full (`min_waiting_to_refuse`)
+    and holds more waiting requests than it serves in this many wall seconds at its service rate
+    (`_Replica.service_rate`), so an overload is refused within seconds instead of queueing for minutes;
+    None: the request's own deadline."""
     max_waiting_per_replica: int = 4096
     """Requests waiting (not running) at one replica, as its heartbeat reports plus what was sent since,
     beyond which new ones are refused `overloaded` whatever its rate (before any rate is measured)."""
     rate_window_busy_s: float = 60.0
     """Clock seconds of a replica's busy time its service rate is measured over (`Heartbeat.busy_s`)."""
     min_waiting_to_refuse: int = 16
-    """A replica with fewer waiting requests is never refused for its rate (too few to judge by)."""
+    """A replica is refused for its rate only while its KV cache is full (its last heartbeat's load plus
+    what was sent since: new requests would wait) and this many wait; with room in its batch a request
+    starts at once, whatever a rate measured at low concurrency says."""
     reply_roots: tuple[str, ...] | None = None
     """First tokens a request's reply subject may start with (see `oserve.streams.subjects.reply_error`);
     None: the clients' prefix (`Subjects.reply_prefix()`) and nats-py's default `_INBOX`."""
@@ -191,7 +197,9 @@ class _Replica:
     completed: int = 0
     """Requests it finished (its `Completed` events' items) since the gateway first heard of it."""
     busy_samples: collections.deque = field(default_factory=collections.deque)
-    """(busy clock seconds, `completed`) at its heartbeats, while they span `rate_window_wall_s` of busy time."""
+    """(busy, saturated clock seconds, `completed`) at its heartbeats, over `rate_window_busy_s` of busy time."""
+    rate: float | None = None
+    """`service_rate()` as of its last heartbeat."""
 
     @property
     def ready(self) -> bool:
@@ -210,26 +218,40 @@ class _Replica:
     def num_waiting(self) -> int:
         return self.reported_waiting + self.sent_requests
 
-    def note_busy(self, busy_s: float, window_busy_s: float) -> None:
-        """Record a heartbeat's cumulative busy time (clock seconds) against the completions so far."""
+    def note_busy(self, busy_s: float, saturated_s: float, window_busy_s: float) -> None:
+        """Record a heartbeat's cumulative busy and saturated time (clock seconds) against the completions,
+        and update `rate` (see `service_rate`)."""
         samples = self.busy_samples
         if samples and busy_s < samples[-1][0]:
             samples.clear()  # a restarted engine counts from 0 again
-        samples.append((busy_s, self.completed))
+        samples.append((busy_s, saturated_s, self.completed))
         while len(samples) > 2 and busy_s - samples[1][0] >= window_busy_s:
             samples.popleft()
+        self.rate = self.service_rate()
 
-    def served_per_busy_s(self) -> float | None:
-        """Requests it finishes per clock second of being busy, over its recent busy time (None before
-        `MIN_RATE_BUSY_S` of it and `MIN_RATE_COMPLETIONS` completions): its service rate, which idle spans
-        and outages do not dilute."""
+    def service_rate(self) -> float | None:
+        """Requests it finishes per clock second when full, over its recent busy time: the completions of the
+        heartbeat intervals it spent mostly saturated (at least half their busy time with requests waiting)
+        per saturated second; before `MIN_RATE_SATURATED_S` of those, the completions per busy second (a low
+        estimate where it ran below full batches); None before `MIN_RATE_BUSY_S` and
+        `MIN_RATE_COMPLETIONS`. Idle spans and outages do not dilute it."""
         samples = self.busy_samples
         if len(samples) < 2:
             return None
-        busy_s, done = samples[-1][0] - samples[0][0], samples[-1][1] - samples[0][1]
-        if busy_s < MIN_RATE_BUSY_S or done < MIN_RATE_COMPLETIONS:
-            return None  # too little to judge by: a new replica, or one still on its first long requests
-        return done / busy_s
+        sat_s = sat_done = 0.0
+        prev = samples[0]
+        for cur in itertools.islice(samples, 1, None):
+            db, ds = cur[0] - prev[0], cur[1] - prev[1]
+            if db > 0 and ds >= 0.5 * db:
+                sat_s += ds
+                sat_done += cur[2] - prev[2]
+            prev = cur
+        if sat_s >= MIN_RATE_SATURATED_S and sat_done >= MIN_RATE_COMPLETIONS:
+            return sat_done / sat_s
+        (b0, _, d0), (b1, _, d1) = samples[0], samples[-1]
+        if b1 - b0 >= MIN_RATE_BUSY_S and d1 - d0 >= MIN_RATE_COMPLETIONS:
+            return (d1 - d0) / (b1 - b0)
+        return None
 
 
 @dataclass(slots=True)
@@ -395,7 +417,7 @@ class Gateway(Worker):
         """A heartbeat's load replaces what the gateway had estimated since the last one."""
         r.reported_kv_frac, r.reported_requests = hb.kv_load_frac, hb.num_waiting + hb.num_running
         r.reported_waiting = hb.num_waiting
-        r.note_busy(hb.busy_s, self.config.rate_window_busy_s)
+        r.note_busy(hb.busy_s, hb.saturated_s, self.config.rate_window_busy_s)
         r.num_running, r.kv_capacity_tokens = hb.num_running, hb.kv_capacity_tokens
         r.sent_tokens = r.sent_requests = 0
 
@@ -470,12 +492,12 @@ class Gateway(Worker):
         waiting = r.num_waiting
         if waiting >= self.config.max_waiting_per_replica:
             return f"{waiting} requests wait at replica {replica_id}; retry later"
-        if waiting < self.config.min_waiting_to_refuse:
+        if r.kv_load_frac < 1.0 or waiting < self.config.min_waiting_to_refuse:
+            return None  # room in its batch for what was sent: nothing waits there yet
+        per_clock_s = r.rate
+        if per_clock_s is None:
             return None
-        per_busy_s = r.served_per_busy_s()
-        if per_busy_s is None:
-            return None
-        rate = per_busy_s * self.clock.speedup  # per wall second, while it works
+        rate = per_clock_s * self.clock.speedup  # per wall second, while it is full
         limit_s = self.config.max_queue_wall_s if self.config.max_queue_wall_s is not None else deadline_s
         if waiting > rate * limit_s:
             return (f"{waiting} requests wait at replica {replica_id}, which serves {rate:.1f} per second: the "

@@ -34,7 +34,7 @@ from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
 from oserve.specs import Deployment, cluster_for_gpus, model_preset
-from oserve.streams.client import ClientError, OServeClient, RequestRejected, RequestTimeout
+from oserve.streams.client import ClientError, OServeClient, RequestRejected
 from oserve.streams.jetstream import StreamLimits, ensure_model_store, ensure_streams
 from oserve.streams.schemas import CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
@@ -435,5 +435,8 @@ async def connect(url: str, name: str, *, inbox_prefix: str | None = None) -> NA
     # what lets a client's resend after its own reconnect (`ReconnectPolicy.resend_delay_s`) find the answers
     # the engines buffered while cut off, rather than draw second ones
     extra = {"inbox_prefix": inbox_prefix} if inbox_prefix else {}
+    # 64 MiB of publishes buffered through an outage (nats-py's default, 2 MiB, is a few seconds of an
+    # engine's answers; past it a publish raises and the worker's loop stops)
     return await nats.connect(url, name=name, disconnected_cb=disconnected, reconnected_cb=reconnected,
-                              error_cb=error, max_reconnect_attempts=-1, reconnect_time_wait=0.25, **extra)
+                              error_cb=error, max_reconnect_attempts=-1, reconnect_time_wait=0.25,
+                              pending_size=64 * 1024 * 1024, **extra)
