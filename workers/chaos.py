@@ -82,9 +82,11 @@ class ChaosConfig:
     model: str = "llama2-7b"
     trace: str = "azure-conv"
     max_output_tokens: int = 512
-    burst_requests: int = 2000
-    burst_timeout_s: float = 10.0
     """Output lengths from the trace are capped here, so a phase's requests finish within it."""
+    burst_requests: int = 2000
+    """Long requests (2,000 input tokens, `max_output_tokens` out) the `burst` fault sends at once ..."""
+    burst_timeout_s: float = 10.0
+    """... each with this timeout."""
     ready_timeout_wall_s: float = 120.0
     seed: int = 0
 

@@ -95,10 +95,11 @@ class EngineWorkerConfig:
     """Requests waiting (not yet running) in the backend beyond which a new dispatch is refused `overloaded`
     (the gateway refuses earlier, by the replica's measured rate; this bounds what a stale view lets in)."""
     fence_after_wall_s: float = 1.5
-    """A replica whose own loop was stalled this long (no heartbeat sent for it: a paused process, a long
-    collection) may have been declared dead and its requests re-dispatched: it fences itself, dropping
-    what it holds unanswered and handing it back (`Completed.requeue`), so nothing is answered twice.
-    Keep it under the gateways' `heartbeat_timeout_wall_s` minus a heartbeat interval."""
+    """A replica with no heartbeat confirmed by the server for this long (a paused process, a long
+    collection, a connection down or too slow) may have been declared dead and its requests re-dispatched:
+    it fences itself, dropping what it holds unanswered and handing it back (`Completed.requeue`), so a
+    re-dispatched request is not answered by both replicas. Keep it under the gateways'
+    `heartbeat_timeout_wall_s` minus a heartbeat interval."""
     reply_roots: tuple[str, ...] | None = None
     """Inbox roots a dispatch's reply may start with (`oserve.streams.subjects.reply_error`); None: the
     clients' prefix and `_INBOX`. A dispatch with another reply is dropped (it never came from a gateway)."""

@@ -113,11 +113,20 @@ class SwitchPlannerWorker(Worker):
         loop = asyncio.get_running_loop()
         after = self.config.restart_after_wall_s
         began = loop.time()
+        cut_off = False
         while True:
             await asyncio.sleep(min(1.0, after / 3))
-            if self._switching or not self.nc.is_connected:
-                continue  # a switch starts and drains replicas itself; cut off, every replica looks silent
             now = loop.time()
+            if not self.nc.is_connected:
+                cut_off = True  # every replica looks silent meanwhile: nothing to judge by
+                continue
+            if cut_off:  # back: every replica gets a fresh timeout, as in the gateway
+                cut_off = False
+                self._heard_wall_s = {rid: now for rid in self._heard_wall_s}
+                began = now
+                continue
+            if self._switching:
+                continue  # a switch starts and drains replicas itself
             for rid, spec in list(self.current.items()):
                 heard = self._heard_wall_s.get(rid, began)
                 if now - max(heard, self._restarted_wall_s.get(rid, began)) <= after:
