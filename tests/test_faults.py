@@ -21,12 +21,11 @@ from oserve.streams.schemas import (Completed, Dispatch, ErrorCode, ErrorReply, 
 from oserve.streams.subjects import dedupe_key, reply_error
 from oserve.streams.testing import running_server, unique_subjects, wait_until
 from oserve.workers.clock import Clock
-from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 from oserve.workers.engine_host import EngineHost, EngineHostConfig
 from oserve.workers.gateway import Gateway, GatewayConfig
 from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
 
-FAST_HB = dict(heartbeat_interval_wall_s=0.05)
+from conftest import start_system as _start_system  # noqa: E402
 _ids = itertools.count()
 
 
@@ -35,20 +34,9 @@ def server():
     yield from running_server()
 
 
-async def start_system(stack: AsyncExitStack, url: str, replica_ids=("r0",), speedup: float = 50.0,
-                       gateway_kwargs=None, engine_kwargs=None):
-    subjects = unique_subjects()
-    nc = await nats.connect(url)
-    stack.push_async_callback(nc.close)
-    clock = Clock(speedup=speedup)
-    engines = []
-    for rid in replica_ids:
-        cfg = EngineWorkerConfig(rid, subjects=subjects, **{**FAST_HB, **(engine_kwargs or {})})
-        engines.append(await stack.enter_async_context(EngineWorker(nc, cfg, clock)))
-    gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects, **(gateway_kwargs or {})),
-                                                 clock))
-    await gw.wait_for_replicas(len(replica_ids), 5.0)
-    return nc, subjects, gw, engines, OServeClient(nc, subjects, default_timeout_s=10.0)
+async def start_system(stack: AsyncExitStack, url: str, replica_ids=("r0",), **kwargs):
+    """`conftest.start_system` with one replica unless told."""
+    return await _start_system(stack, url, replica_ids, **kwargs)
 
 
 class Tap:

@@ -19,28 +19,12 @@ from oserve.workers.clock import Clock
 from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 from oserve.workers.gateway import Gateway, GatewayConfig
 
-FAST_HB = dict(heartbeat_interval_wall_s=0.05)
+from conftest import FAST_HB, start_system  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def server():
     yield from running_server()
-
-
-async def start_system(stack: AsyncExitStack, url: str, replica_ids=("r0", "r1"), speedup: float = 50.0,
-                       gateway_kwargs=None, engine_kwargs=None):
-    subjects = unique_subjects()
-    nc = await nats.connect(url)
-    stack.push_async_callback(nc.close)
-    clock = Clock(speedup=speedup)
-    engines = []
-    for rid in replica_ids:
-        cfg = EngineWorkerConfig(rid, subjects=subjects, **{**FAST_HB, **(engine_kwargs or {})})
-        engines.append(await stack.enter_async_context(EngineWorker(nc, cfg, clock)))
-    gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects, **(gateway_kwargs or {})),
-                                                 clock))
-    await gw.wait_for_replicas(len(replica_ids), 5.0)
-    return nc, subjects, gw, engines, OServeClient(nc, subjects, default_timeout_s=10.0)
 
 
 async def test_every_request_is_answered_exactly_once(server) -> None:
