@@ -166,6 +166,11 @@ class EngineWorker(Worker):
         self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._answered_bytes = 0  # sum of len() of the replies in _answered
         self._released: list[str] = []  # request ids answered with an error since the last flush
+        # the outbox of this turn of the event loop (`_finish`): completions and releases, then the replies
+        self._out_completions: list[Completion] = []
+        self._out_released: list[str] = []
+        self._out_replies: list[tuple[str, bytes, dict[str, str] | None]] = []
+        self._out_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._waiting_for_s: float | None = None  # the backend event time the step loop sleeps towards
         self._idle = asyncio.Event()
@@ -203,9 +208,13 @@ class EngineWorker(Worker):
             await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_wall_s)
         except TimeoutError:
             log.warning("%s: drain timed out with %d requests in flight", self.config.replica_id, len(self._inflight))
+        if self._out_task is not None:
+            await self._out_task  # the last answers go out
         await self._flush_completions()
 
     async def _on_stop(self) -> None:
+        if self._out_task is not None and not self._out_task.done():
+            self._out_task.cancel()  # a stop is as good as a crash: answers not yet sent are lost with it
         if self.metrics is not None:
             self.metrics.engine_stopped(self.config.sim.model, self.config.replica_id)
         for item in self._inflight.values():
@@ -477,8 +486,9 @@ class EngineWorker(Worker):
             self._answered_bytes -= len(dropped)
 
     async def _finish(self, done: list[Finished]) -> None:
-        """Answer what the backend finished. The `Completed` naming them goes out before their replies, with
-        no await in between that could let anything run (nats-py queues both in one write), so a crash
+        """Answer what the backend finished. The answers go to an outbox that `_send_out` empties at the end
+        of this turn of the event loop: one `Completed` naming every answer of the turn, then the replies,
+        with no await in between that could let anything run (nats-py queues them in one write), so a crash
         loses both or neither: the gateway never re-dispatches an answered request, nor forgets an
         unanswered one. After a stall the replica fences itself first (`fence_after_wall_s`)."""
         if self._stalled():
@@ -513,15 +523,14 @@ class EngineWorker(Worker):
                 self._window_e2e.append(e2e_s)
             self._remember(f"{item.key} {item.fingerprint}", payload)
             ended.append((item, f, payload))
-        if completions or released:
-            await self._publish_completed(completions, released)
+        self._out_completions.extend(completions)
+        self._out_released.extend(released)
         for item, f, payload in ended:
             job = item.job
             if item.reply:
                 headers = inject(item.span) if item.span is not None else item.headers
-                await self.nc.publish(item.reply, payload, headers=headers)
-            for reply in item.also_reply:
-                await self.nc.publish(reply, payload)
+                self._out_replies.append((item.reply, payload, headers))
+            self._out_replies.extend((reply, payload, None) for reply in item.also_reply)
             reason = "length" if f.output_tokens >= job.max_tokens else "stop"
             if self.metrics is not None and not f.error:
                 self.metrics.request_finished(self.config.sim.model, self.config.replica_id,
@@ -538,8 +547,28 @@ class EngineWorker(Worker):
                     item.span.set_status(Status(StatusCode.ERROR, "refused"))
                 item.span.end()
             self.num_answered += 1
+        if self._out_replies or self._out_completions or self._out_released:
+            self._schedule_out()
         if not self._inflight:
             self._idle.set()
+
+    def _schedule_out(self) -> None:
+        if self._out_task is None or self._out_task.done():
+            self._out_task = asyncio.get_running_loop().create_task(self._send_out())
+
+    async def _send_out(self) -> None:
+        """Empty the outbox: the `Completed` first, then the replies, in one write (see `_finish`)."""
+        await asyncio.sleep(0)  # the rest of this turn's answers join the batch
+        completions, self._out_completions = self._out_completions, []
+        released, self._out_released = self._out_released, []
+        replies, self._out_replies = self._out_replies, []
+        try:
+            if completions or released:
+                await self._publish_completed(completions, released)
+            for reply, payload, headers in replies:
+                await self.nc.publish(reply, payload, headers=headers)
+        except Exception:  # the connection is gone: the gateway re-dispatches what was not released
+            log.warning("%s: could not publish %d answers", self.config.replica_id, len(replies), exc_info=True)
 
     # --- background loops ------------------------------------------------------------------------------
 
