@@ -155,6 +155,9 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: StopSequences = []
+    prompt: Annotated[str, Meta(max_length=MAX_MESSAGE_BYTES)] | None = None
+    """The prompt's text (`SubmitRequest.prompt`), for an engine with a real model; None: the prompt was a
+    token count (`input_tokens`), and a real engine makes that many deterministic token ids."""
     fingerprint: str = ""
     """What the request asks (`fingerprint`): the engine's stored answer is resent only for the same ask,
     so a client reusing a request id for another prompt is served anew, never given the old answer."""

@@ -11,7 +11,7 @@ and `text(seq, start, stop)` gives the text of tokens [start, stop) of its answe
 sends the new ones to a streaming client as chunks. The `sim` and `echo` backends have no model, so
 their answers are deterministic placeholder text (`placeholder_text`), the same for every request;
 they cannot honour sampling fields (temperature, top_p, seed, stop) either: those reach the engine in
-the `Dispatch` for the vLLM backend to come, and these two ignore them.
+the `Dispatch` for the `vllm` backend (`oserve.workers.vllm_backend`), and these two ignore them.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ class Job:
     """The client streams the answer: the engine asks `generated_tokens` as it goes."""
     detokenize: bool = True
     """The answer goes back as text too (`Dispatch.detokenize`); False: token counts only."""
+    prompt: str | None = None
+    """The prompt's text (`Dispatch.prompt`); None: given as a count (`input_tokens`). Only `vllm` reads it."""
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """The sampling fields of the request; only the `vllm` backend honours them."""
 
     @property
     def answer_tokens(self) -> int:

@@ -74,8 +74,11 @@ class EngineWorkerConfig:
     replica_id: str
     """This replica's id; one subject token."""
     subjects: Subjects = field(default_factory=Subjects)
-    backend: Literal["sim", "echo"] = "sim"
-    """`sim`: SimReplica timed by the performance model on the clock; `echo`: answers at once."""
+    backend: Literal["sim", "echo", "vllm"] = "sim"
+    """`sim`: SimReplica timed by the performance model on the clock; `echo`: answers at once; `vllm`: a real
+    vLLM engine (`oserve.workers.vllm_backend.VllmBackend`, started by the caller and handed in)."""
+    served_model: str = ""
+    """The model's name in spans and metrics; empty: the simulated model's (`sim.model`)."""
     sim: SimBackendConfig = field(default_factory=SimBackendConfig)
     heartbeat_interval_wall_s: float = 0.5
     completion_flush_wall_s: float = 0.02
@@ -106,8 +109,8 @@ class EngineWorkerConfig:
 
     def __post_init__(self) -> None:
         self.subjects.replica(self.replica_id)  # validates the id as a subject token
-        if self.backend not in ("sim", "echo"):
-            raise ConfigError(f"EngineWorkerConfig.backend must be sim or echo, got {self.backend!r}")
+        if self.backend not in ("sim", "echo", "vllm"):
+            raise ConfigError(f"EngineWorkerConfig.backend must be sim, echo or vllm, got {self.backend!r}")
         for name in ("heartbeat_interval_wall_s", "completion_flush_wall_s", "telemetry_interval_s",
                      "drain_timeout_wall_s", "stream_interval_s", "fence_after_wall_s"):
             if not getattr(self, name) > 0:
@@ -121,6 +124,10 @@ class EngineWorkerConfig:
                               f"heartbeat_interval_wall_s ({self.heartbeat_interval_wall_s})")
         if self.dedupe_max_bytes < 1:
             raise ConfigError(f"EngineWorkerConfig.dedupe_max_bytes must be >= 1, got {self.dedupe_max_bytes}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model or self.sim.model
 
 
 @dataclass(slots=True)
@@ -157,6 +164,8 @@ class EngineWorker(Worker):
         self.metrics = metrics
         """vLLM's engine metrics, labelled with this replica as `engine` (None: no metrics)."""
         if backend is None:
+            if config.backend == "vllm":
+                raise ConfigError("EngineWorker: the vllm backend is started by the caller and handed in (backend=)")
             backend = SimBackend(config.replica_id, config.sim) if config.backend == "sim" else EchoBackend()
         self.backend = backend
         self._seq = 0
@@ -172,6 +181,8 @@ class EngineWorker(Worker):
         self._out_replies: list[tuple[str, bytes, dict[str, str] | None]] = []
         self._out_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        if hasattr(backend, "notify"):
+            backend.notify = self._wake.set  # a backend that finishes on its own (vLLM) wakes the step loop
         self._waiting_for_s: float | None = None  # the backend event time the step loop sleeps towards
         self._idle = asyncio.Event()
         self._idle.set()
@@ -216,7 +227,7 @@ class EngineWorker(Worker):
         if self._out_task is not None and not self._out_task.done():
             self._out_task.cancel()  # a stop is as good as a crash: answers not yet sent are lost with it
         if self.metrics is not None:
-            self.metrics.engine_stopped(self.config.sim.model, self.config.replica_id)
+            self.metrics.engine_stopped(self.config.model_name, self.config.replica_id)
         for item in self._inflight.values():
             if item.span is not None:
                 item.span.set_attribute("oserve.abandoned", True)
@@ -240,7 +251,7 @@ class EngineWorker(Worker):
             self._released.append(job.request_id)
             self._remember(f"{item.key} {item.fingerprint}", payload)
             if self.metrics is not None:
-                self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
+                self.metrics.request_aborted(self.config.model_name, self.config.replica_id)
             try:
                 for reply in ([item.reply] if item.reply else []) + item.also_reply:
                     await self.nc.publish(reply, payload)
@@ -313,11 +324,12 @@ class EngineWorker(Worker):
         now_s = self.clock.now_s()
         self._seq += 1
         job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s,
-                  d.sim_output_tokens or 0, stream=d.stream, detokenize=d.detokenize)
+                  d.sim_output_tokens or 0, stream=d.stream, detokenize=d.detokenize, prompt=d.prompt,
+                  temperature=d.temperature, top_p=d.top_p, seed=d.seed, stop=tuple(d.stop))
         span = None
         if self.tracer is not None:
             # the GenAI inference span ("text_completion llama2-7b"), consuming the dispatch message
-            model = self.config.sim.model
+            model = self.config.model_name
             span = self.tracer.start_span(genai_span_name("text_completion", model), context=extract(msg.headers),
                                           kind=SpanKind.CONSUMER,
                                           attributes={"oserve.step": "engine.serve", "oserve.request_id": d.request_id,
@@ -383,7 +395,7 @@ class EngineWorker(Worker):
         self._streams.discard(job.seq)
         done = self.backend.cancel(job.seq, self.clock.now_s())
         if self.metrics is not None:
-            self.metrics.request_aborted(self.config.sim.model, self.config.replica_id)
+            self.metrics.request_aborted(self.config.model_name, self.config.replica_id)
         if payload is not None:
             for reply in ([item.reply] if item.reply else []) + item.also_reply:
                 await self.nc.publish(reply, payload)
@@ -533,13 +545,13 @@ class EngineWorker(Worker):
             self._out_replies.extend((reply, payload, None) for reply in item.also_reply)
             reason = "length" if f.output_tokens >= job.max_tokens else "stop"
             if self.metrics is not None and not f.error:
-                self.metrics.request_finished(self.config.sim.model, self.config.replica_id,
+                self.metrics.request_finished(self.config.model_name, self.config.replica_id,
                                               input_tokens=job.input_tokens, output_tokens=f.output_tokens,
                                               ttft_s=f.first_token_s - job.arrival_s, e2e_s=f.finish_s - job.arrival_s,
                                               finished_reason=reason)
             if item.span is not None:
                 item.span.set_attributes({"oserve.output_tokens": f.output_tokens,
-                                          "gen_ai.response.model": self.config.sim.model,
+                                          "gen_ai.response.model": self.config.model_name,
                                           "gen_ai.usage.input_tokens": job.input_tokens,
                                           "gen_ai.usage.output_tokens": f.output_tokens,
                                           "gen_ai.response.finish_reasons": ("error",) if f.error else (reason,)})
@@ -623,7 +635,7 @@ class EngineWorker(Worker):
             return
         load = self.backend.load()
         if self.metrics is not None:
-            self.metrics.engine_load(self.config.sim.model, self.config.replica_id, num_running=load.num_running,
+            self.metrics.engine_load(self.config.model_name, self.config.replica_id, num_running=load.num_running,
                                      num_waiting=load.num_waiting, kv_usage_frac=load.kv_usage_frac)
         await self.nc.publish(self.config.subjects.heartbeat(self.config.replica_id), encode(Heartbeat(
             replica_id=self.config.replica_id, at_s=self.clock.now_s(), num_waiting=load.num_waiting,

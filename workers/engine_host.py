@@ -1,16 +1,18 @@
 """The engine host: the engine workers of one host, started and drained on the switch planner's command.
 
 A `StartReplica` brings a replica up after the modelled weight transfer (`ready_after_s` on the
-clock) and reports `ReplicaReady` (one already serving is only reported; one whose worker stopped on a
+clock; with the `vllm` backend, after its real engine has started and loaded its weights instead) and
+reports `ReplicaReady` (one already serving is only reported; one whose worker stopped on a
 failure is started anew, which is how the switch planner's restart of a silent replica reaches it); a `DrainReplica` finishes its requests, releases it and reports
-`ReplicaDrained`. A drain that arrives while the replica is still starting cancels the start.
+`ReplicaDrained` (a vLLM engine is then shut down, its memory freed). A drain that arrives while the
+replica is still starting cancels the start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -26,6 +28,7 @@ from oserve.workers.backends import SimBackendConfig
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+from oserve.workers.vllm_backend import VllmBackend, VllmBackendConfig, preload
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,17 @@ class EngineHostConfig:
     gpu: str = "h100-80gb"
     gpus_per_node: int = GPUS_PER_NODE
     backend: str = "sim"
-    """`sim` or `echo` (see `EngineWorkerConfig.backend`)."""
+    """`sim`, `echo` or `vllm` (see `EngineWorkerConfig.backend`)."""
+    vllm: VllmBackendConfig = field(default_factory=VllmBackendConfig)
+    """The `vllm` backend's engine (model folder, context, memory); each replica's TP and PP come from its
+    `StartReplica`."""
     heartbeat_interval_wall_s: float = 0.5
+    fence_after_wall_s: float = 1.5
+    """`EngineWorkerConfig.fence_after_wall_s` of every engine it starts."""
 
     def __post_init__(self) -> None:
         self.subjects.host_control(self.host_id)  # validates the id as a subject token
-        if self.backend not in ("sim", "echo") or self.heartbeat_interval_wall_s <= 0 or self.gpus_per_node < 1:
+        if self.backend not in ("sim", "echo", "vllm") or self.heartbeat_interval_wall_s <= 0 or self.gpus_per_node < 1:
             raise ConfigError(f"EngineHostConfig: invalid values {self}")
 
 
@@ -63,6 +71,11 @@ class EngineHost(Worker):
         self._starting: set[str] = set()
         self._cancelled_starts: set[str] = set()  # replica ids drained while starting; honoured after the sleep
         self._queue: asyncio.Queue[tuple[StartReplica | DrainReplica, dict | None]] = asyncio.Queue()
+
+    async def start(self) -> None:
+        if self.config.backend == "vllm" and self._state == "new":
+            preload()  # vLLM imported on this thread before any engine is built on another (see `preload`)
+        await super().start()
 
     async def _subscribe(self) -> list:
         subject = self.config.subjects.host_control(self.config.host_id)
@@ -95,23 +108,39 @@ class EngineHost(Worker):
         if dead is not None and not dead.running:  # its loop failed (`Worker.failure`): start it anew
             log.warning("%s: replica %s had stopped (%r); starting it again", self.config.host_id, rid, dead.failure)
             del self.engines[rid]
-            await dead.stop()
+            await _stop_engine(dead)
         if rid not in self.engines and rid not in self._starting:
             self._starting.add(rid)
             try:
-                await self.clock.sleep(cmd.ready_after_s)  # the modelled weight transfer
+                backend = None
+                if self.config.backend == "vllm":  # the real start, weights loaded, is the wait
+                    backend = VllmBackend(rid, replace(self.config.vllm, tp=cmd.replica.tp, pp=cmd.replica.pp,
+                                                       devices=tuple(cmd.replica.gpu_ids)),
+                                          self.clock.now_s)
+                    try:
+                        await backend.start()
+                    except BaseException:
+                        await backend.stop()
+                        raise
+                else:
+                    await self.clock.sleep(cmd.ready_after_s)  # the modelled weight transfer
                 if rid in self._cancelled_starts:  # drained while it started: never serves
                     log.info("%s: start of %s cancelled by a drain", self.config.host_id, rid)
+                    if backend is not None:
+                        await backend.stop()
                     return
                 cfg = EngineWorkerConfig(rid, subjects=self.config.subjects,
                                          backend=self.config.backend,  # type: ignore[arg-type]
                                          sim=SimBackendConfig(self.config.model, self.config.gpu, cmd.replica.tp,
                                                               cmd.replica.pp, self.config.gpus_per_node),
-                                         heartbeat_interval_wall_s=self.config.heartbeat_interval_wall_s)
-                engine = EngineWorker(self.nc, cfg, self.clock, tracer=self.tracer, metrics=self.metrics)
+                                         served_model=backend.model_name if backend is not None else "",
+                                         heartbeat_interval_wall_s=self.config.heartbeat_interval_wall_s,
+                                         fence_after_wall_s=self.config.fence_after_wall_s)
+                engine = EngineWorker(self.nc, cfg, self.clock, tracer=self.tracer, metrics=self.metrics,
+                                      backend=backend)
                 await engine.start()
                 if rid in self._cancelled_starts:  # the drain came while it subscribed
-                    await engine.stop()
+                    await _stop_engine(engine)
                     return
                 self.engines[rid] = engine
             finally:
@@ -132,7 +161,7 @@ class EngineHost(Worker):
             return
         self._retiring[cmd.replica_id] = engine  # the host's own drain and stop still see it
         await engine.drain()
-        await engine.stop()
+        await _stop_engine(engine)
         self._retiring.pop(cmd.replica_id, None)  # not on cancellation: the host's stop stops it
         await self.nc.publish(self.config.subjects.plan_event("replica"),
                               encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
@@ -145,5 +174,21 @@ class EngineHost(Worker):
         for e in [*self.engines.values(), *self._retiring.values()]:
             await e.stop()
             await e.fail_inflight()  # stopped mid-drain: each client gets an error, not silence
+            await _stop_backend(e)
         self.engines.clear()
         self._retiring.clear()
+
+
+async def _stop_backend(engine: EngineWorker) -> None:
+    """Shut down an engine's real backend (a vLLM engine's processes and memory); the simulated ones hold none."""
+    stop = getattr(engine.backend, "stop", None)
+    if stop is not None:
+        try:
+            await stop()
+        except Exception:  # its processes are gone already
+            log.warning("%s: could not shut its backend down cleanly", engine.config.replica_id, exc_info=True)
+
+
+async def _stop_engine(engine: EngineWorker) -> None:
+    await engine.stop()
+    await _stop_backend(engine)

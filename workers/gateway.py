@@ -617,7 +617,7 @@ class Gateway(Worker):
             d = Dispatch(request_id=req.request_id, input_tokens=input_tokens, max_tokens=max_tokens,
                          type_index=type_index, gateway_id=cfg.gateway_id, sim_output_tokens=req.sim_output_tokens,
                          stream=req.stream, detokenize=req.prompt is not None, temperature=req.temperature,
-                         top_p=req.top_p, seed=req.seed, stop=req.stop, fingerprint=ask,
+                         top_p=req.top_p, seed=req.seed, stop=req.stop, prompt=req.prompt, fingerprint=ask,
                          deadline_unix_s=time.time() + timeout_s)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
