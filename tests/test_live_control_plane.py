@@ -13,7 +13,7 @@ from oserve.streams.client import OServeClient
 from oserve.streams.jetstream import ensure_streams
 from oserve.streams.schemas import Completed, ReplicaSpec, StrategyChosen, SwitchPlanned, decode, encode
 from oserve.streams.subjects import Subjects
-from oserve.streams.testing import running_server, unique_subjects
+from oserve.streams.testing import running_server, unique_subjects, wait_until
 from oserve.workers.clock import Clock
 from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
 from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
@@ -99,6 +99,10 @@ async def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, input
         async with LiveSystem(nc, config, inputs) as system:
             await system.wait_serving(20)
             result = await replay(OServeClient(nc, subjects), trace, config.speedup, timeout_s=30)
+            # the spans are counted on a 10x clock, so which span's forecast moves the plan varies between
+            # runs; the switch may be decided in the last spans, after the replay's last answer
+            await wait_until(lambda: any(t == "switch_completed.v1" and k != "s0" for _, t, k in plan_events), 20,
+                             "a switch away from the first deployment")
             result["strategies"] = [(s.strategy_id, s.label, [round(x, 1) for x in s.forecast_rps],
                                      [(r.tp, r.pp) for r in s.replicas]) for s in system.scheduler.strategies]
         await nc.flush()
@@ -112,7 +116,7 @@ async def test_a_shifting_mix_is_replayed_end_to_end_with_a_switch(server, input
     print({k: v for k, v in r.items() if k not in ("plan_events", "completed")})
     assert r["requests"] == len(trace) and r["answered"] == len(trace), r
     assert r["lost"] == 0 and r["errors"] == 0
-    assert r["switches"] >= 1, (r["switch_events"], r["strategies"])
+    assert sum(t == "switch_completed.v1" and k != "s0" for _, t, k in r["plan_events"]) >= 1, r["strategies"]
     assert len(r["completed"]) == len(trace) and set(r["completed"].values()) == {1}  # exactly once
     # the switch planner planned the switch's weight transfers (the first deployment loads from disk)
     switches = [p for p in r["planned"] if p.start_ids and p.retire_ids]
