@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from contextlib import AsyncExitStack
+from msgspec.structs import replace
 
 import nats
 import pytest
@@ -23,7 +24,7 @@ from oserve.workers.clock import Clock
 from oserve.workers.engine_host import EngineHost, EngineHostConfig
 from oserve.workers.gateway import Gateway, GatewayConfig
 from oserve.workers.tinymodel import HashTokenizer, materialize, seeded_weights, tensor_checksum, tiny_config
-from oserve.workers.vllm_backend import VllmBackend, VllmBackendConfig, vllm_available
+from oserve.workers.vllm_backend import EngineDied, VllmBackend, VllmBackendConfig, vllm_available
 
 if not vllm_available():
     if not os.environ.get("OSERVE_SKIP_VLLM"):
@@ -32,6 +33,7 @@ if not vllm_available():
     pytest.skip("OSERVE_SKIP_VLLM is set and vLLM is not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
+psutil = pytest.importorskip("psutil")  # vLLM's own dependency
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,28 @@ async def test_a_cancelled_request_is_aborted_in_vllm_and_drain_frees_the_engine
         await wait_until(lambda: got, 10, "the cancelled request's answer")
         assert isinstance(got[0], ErrorReply) and got[0].code == ErrorCode.CANCELLED
         await wait_until(lambda: backend.load().num_running == 0, 10, "vLLM to drop the aborted request")
+
+        # the engine's core process dies mid-request: nothing is answered there (the gateway would re-dispatch
+        # it), the worker stops, and the next StartReplica (the switch planner's restart) starts it anew
+        got.clear()
+        await nc.publish(subjects.replica("v1"), encode(replace(d, request_id="c2")), reply=f"{inbox}.c2")
+        await wait_until(lambda: backend.load().num_running == 1, 30, "the request to run in vLLM")
+        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+        assert cores, [p.cmdline() for p in psutil.Process().children(recursive=True)]
+        for p in cores:
+            p.kill()
+        worker = host.engines["v1"]
+        await wait_until(lambda: not worker.running, 30, "the engine worker to stop on its engine's death")
+        assert isinstance(worker.failure, EngineDied) and got == []
+        await nc.publish(subjects.host_control(host.config.host_id), encode(StartReplica(
+            strategy_id="s1", replica=ReplicaSpec(replica_id="v1", tp=1, pp=1, gpu_ids=[0]), ready_after_s=0.0)))
+        await wait_until(lambda: "v1" in host.engines and host.engines["v1"] is not worker
+                         and host.engines["v1"].running, 240, "the replica to start again")
+        backend = host.engines["v1"].backend
+        await nc.publish(subjects.replica("v1"), encode(replace(d, request_id="c3", max_tokens=8,
+                                                                sim_output_tokens=8)), reply=f"{inbox}.c3")
+        await wait_until(lambda: got, 30, "an answer from the restarted engine")
+        assert isinstance(got[0], Reply) and got[0].output_tokens == 8
         # a drain stops the engine: its processes end and the replica is gone
         events: list = []
 
@@ -195,3 +219,16 @@ async def test_the_same_backend_on_cuda(server, model_dir) -> None:
         assert backend.kv_capacity_tokens > 0
     finally:
         await backend.stop()
+
+
+async def test_pipeline_parallel_is_refused_on_a_cpu(model_dir) -> None:
+    from vllm.platforms import current_platform
+
+    from oserve.errors import ConfigError
+
+    if not current_platform.is_cpu():
+        pytest.skip("a CUDA host runs pipeline parallelism")
+    backend = VllmBackend("p2", VllmBackendConfig(model_path=str(model_dir), pp=2), Clock(speedup=1.0).now_s)
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        await backend.start()
+    await backend.stop()

@@ -20,7 +20,9 @@ in both and this module is the same code on both. vLLM is imported only when a b
   engine worker streams the tokens as they come (`generated_tokens`, `text`); a finished job is handed
   over at the next `advance`, and the worker is woken (`notify`) when one finishes. A request vLLM
   refuses (longer than the context, bad sampling parameters) finishes with its message as the error;
-  a cancelled job's task is cancelled, which aborts it in vLLM and frees its KV.
+  a cancelled job's task is cancelled, which aborts it in vLLM and frees its KV. When the engine itself
+  dies, nothing is answered: the worker stops (`EngineDied`), so the gateway re-dispatches what it held
+  and the switch planner's restart brings the replica back.
 - **Load.** `load()` reads vLLM's own scheduler stats (a custom stat logger): running and waiting
   requests and KV cache usage; busy and saturated seconds are summed from them between iterations.
 
@@ -175,6 +177,10 @@ def _logger_factory(stats: _Stats):
     return _Recorder
 
 
+class EngineDied(RuntimeError):
+    """The vLLM engine's core process died: the engine worker's step loop stops on it (`Worker.failure`)."""
+
+
 class VllmBackend:
     """One replica served by a vLLM engine (see the module docstring)."""
 
@@ -193,6 +199,9 @@ class VllmBackend:
         self._done: list[Finished] = []
         self._handed: list[int] = []  # seqs handed over by the last `advance`: their text is still asked
         self._stats = _Stats()
+        self.failure = ""
+        """Why the engine died (its engine core exited), once it has: the worker then stops, unanswered
+        requests are re-dispatched by the gateway, and the switch planner's restart starts it again."""
 
     @property
     def model_name(self) -> str:
@@ -231,6 +240,9 @@ class VllmBackend:
         from vllm.platforms import current_platform
 
         env = {}
+        if current_platform.is_cpu() and cfg.pp > 1:
+            raise ConfigError(f"{self.replica_id}: vLLM's CPU build does not run pipeline parallelism (0.32 with "
+                              f"PP2 started, then its engine died at the first step); this replica asks PP{cfg.pp}")
         if current_platform.is_cpu():
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_cache_gib:g}"
             cores = os.cpu_count() or 1
@@ -321,7 +333,12 @@ class VllmBackend:
                     break  # leaving the generator aborts the request in vLLM
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # vLLM refused the request, or its engine died: the client gets the message
+        except Exception as exc:  # vLLM refused the request (the client gets the message), or its engine died
+            if type(exc).__name__ == "EngineDeadError":
+                self.failure = self.failure or f"the vLLM engine died: {exc}"
+                if self.notify is not None:
+                    self.notify()  # `advance` raises: the worker stops and its requests are served elsewhere
+                return
             run.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             log.info("%s: request %s failed in vLLM: %s", self.replica_id, job.request_id, run.error)
         if self._runs.get(job.seq) is not run:
@@ -347,6 +364,8 @@ class VllmBackend:
         return True
 
     def advance(self, now_s: float) -> list[Finished]:
+        if self.failure and not self._done:
+            raise EngineDied(f"{self.replica_id}: {self.failure}")
         for seq in self._handed:
             self._runs.pop(seq, None)
         done, self._done = self._done, []
@@ -354,6 +373,8 @@ class VllmBackend:
         return done
 
     def next_event_s(self) -> float | None:
+        if self.failure:
+            return self._now_s()  # the step loop calls `advance`, which raises
         if not self._done:
             return None
         return min(f.finish_s if not math.isnan(f.finish_s) else self._now_s() for f in self._done)
