@@ -232,3 +232,39 @@ async def test_pipeline_parallel_is_refused_on_a_cpu(model_dir) -> None:
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         await backend.start()
     await backend.stop()
+
+
+async def test_streamed_text_never_shows_what_a_stop_string_cuts() -> None:
+    """The backend's bookkeeping against an engine that yields given deltas (vLLM's generate, with its outputs
+    chosen): a stop string spanning two tokens cuts the answer, and no chunk streamed before the cut shows
+    text past it, whatever the deltas."""
+    from types import SimpleNamespace
+
+    from oserve.workers.backends import Job
+
+    tok = HashTokenizer()
+    ids = [40, 41, 42, 43, 44, 45]
+    words = [tok.word(i) for i in ids]
+    stop = words[2][-1] + words[3][:2]  # the end of token 2 and the start of token 3
+    whole = "".join(words)
+    assert whole.find(stop) == len("".join(words[:3])) - 1
+
+    class Engine:
+        async def generate(self, prompt, params, request_id):
+            for i in ids:
+                await asyncio.sleep(0)
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[i], text="")])
+
+    backend = VllmBackend("f", VllmBackendConfig(), Clock(speedup=1.0).now_s)
+    backend.engine, backend.tokenizer = Engine(), tok
+    backend.add(Job(1, "r", 4, 10, 0, 0.0, stream=True, prompt="abcd", stop=(stop,)), 0.0)
+    shown = ""
+    for _ in range(50):
+        n = backend.generated_tokens(1, 0.0)
+        shown = backend.text(1, 0, n)
+        assert whole.find(stop) >= len(shown) and whole.startswith(shown)
+        if backend._done:
+            break
+        await asyncio.sleep(0)
+    (finished,) = backend.advance(0.0)
+    assert backend.text(1, 0, finished.output_tokens) == whole[:whole.find(stop)]

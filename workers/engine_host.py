@@ -115,7 +115,8 @@ class EngineHost(Worker):
                 backend = None
                 if self.config.backend == "vllm":  # the real start, weights loaded, is the wait
                     backend = VllmBackend(rid, replace(self.config.vllm, tp=cmd.replica.tp, pp=cmd.replica.pp,
-                                                       devices=tuple(cmd.replica.gpu_ids)),
+                                                       devices=tuple(g % self.config.gpus_per_node
+                                                                     for g in cmd.replica.gpu_ids)),
                                           self.clock.now_s)
                     try:
                         await backend.start()

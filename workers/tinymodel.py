@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,7 @@ def materialize(folder: Path | None = None, seed: int = 0) -> Path:
             pass  # unreadable: write it again
     folder.mkdir(parents=True, exist_ok=True)
     tensors = seeded_weights(config, seed)
-    tmp = folder / "model.safetensors.tmp"
+    tmp = folder / f"model.safetensors.{os.getpid()}.{threading.get_ident()}.tmp"  # one a writer: atomic replace
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=2))

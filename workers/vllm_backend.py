@@ -66,8 +66,8 @@ class VllmBackendConfig:
     """Context window (prompt plus answer) the engine serves; longer requests are refused."""
     max_num_seqs: int = 64
     """Requests in one batch at most (vLLM's `max_num_seqs`)."""
-    kv_cache_gib: float = 1.0
-    """CPU: the KV cache's size (`VLLM_CPU_KVCACHE_SPACE`)."""
+    kv_cache_gib: int = 1
+    """CPU: the KV cache's size in whole GiB (`VLLM_CPU_KVCACHE_SPACE`, which vLLM reads as an integer)."""
     gpu_memory_utilization: float = 0.5
     """CUDA: the share of the GPU's memory the engine takes (weights, activations and KV)."""
     devices: tuple[int, ...] = ()
@@ -89,8 +89,10 @@ class VllmBackendConfig:
         if self.tp < 1 or self.pp < 1 or self.max_model_len < 16 or self.max_num_seqs < 1:
             raise ConfigError(f"VllmBackendConfig: tp, pp and max_num_seqs must be >= 1 and max_model_len >= 16, "
                               f"got {self.tp}, {self.pp}, {self.max_num_seqs} and {self.max_model_len}")
-        if not self.kv_cache_gib > 0 or not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"VllmBackendConfig: kv_cache_gib must be > 0 and gpu_memory_utilization in (0, 1], "
+        if not (isinstance(self.kv_cache_gib, int) and self.kv_cache_gib >= 1) or \
+                not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"VllmBackendConfig: kv_cache_gib must be a whole number >= 1 and gpu_memory_utilization "
+                              f"in (0, 1], "
                               f"got {self.kv_cache_gib} and {self.gpu_memory_utilization}")
         if self.model_path and not (Path(self.model_path) / "config.json").exists():
             raise ConfigError(f"VllmBackendConfig.model_path: {self.model_path!r} is not a model folder "
@@ -132,6 +134,8 @@ class _Run:
     chars: int = 0
     first_token_s: float = math.nan
     error: str = ""
+    done: bool = False
+    """Finished (answered or refused), waiting to be handed over at the next `advance`."""
 
 
 class _Stats:
@@ -212,7 +216,16 @@ class VllmBackend:
     async def start(self) -> None:
         """Build the engine (on a thread: it takes tens of seconds); raise what vLLM raises if it cannot."""
         preload()  # on this thread, once (see there): a no-op when the host preloaded it
-        self.engine = await asyncio.to_thread(self._build)
+        build = asyncio.ensure_future(asyncio.to_thread(self._build))
+        try:
+            self.engine = await asyncio.shield(build)
+        except asyncio.CancelledError:  # stopped while it starts: the thread goes on, so shut its engine down
+            try:
+                self.engine = await build
+            except Exception:
+                self.engine = None
+            await self.stop()
+            raise
         cache = self.engine.vllm_config.cache_config
         self.kv_capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
         log.info("%s: vLLM engine up in %.1f s (%s, TP%d PP%d, %d KV tokens)", self.replica_id, self.start_wall_s,
@@ -223,7 +236,8 @@ class VllmBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
-        folder = Path(cfg.model_path) if cfg.model_path else materialize(seed=cfg.weights_seed)
+        with _START_LOCK:  # two replicas starting at once would write the shipped model's folder together
+            folder = Path(cfg.model_path) if cfg.model_path else materialize(seed=cfg.weights_seed)
         self.folder = folder
         tokenizer = has_tokenizer(folder)
         if not tokenizer:
@@ -244,7 +258,7 @@ class VllmBackend:
             raise ConfigError(f"{self.replica_id}: vLLM's CPU build does not run pipeline parallelism (0.32 with "
                               f"PP2 started, then its engine died at the first step); this replica asks PP{cfg.pp}")
         if current_platform.is_cpu():
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{cfg.kv_cache_gib:g}"
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
             cores = os.cpu_count() or 1
             ids = cfg.devices or (tuple(range(ranks)) if ranks > 1 else ())
             if cfg.cpu_bind or ids:
@@ -267,10 +281,11 @@ class VllmBackend:
 
     async def stop(self) -> None:
         """Cancel what runs and shut the engine down (its processes exit and its memory is freed)."""
-        for run in self._runs.values():
-            if run.task is not None:
-                run.task.cancel()
+        tasks = [run.task for run in self._runs.values() if run.task is not None]
+        for task in tasks:
+            task.cancel()
         self._runs.clear()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their aborts reach the engine before it shuts
         engine, self.engine = self.engine, None
         if engine is not None:
             handler = getattr(engine, "output_handler", None)
@@ -301,7 +316,7 @@ class VllmBackend:
         hashed = self.tokenizer is not None
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if job.temperature is None else job.temperature,
                                 top_p=1.0 if job.top_p is None else job.top_p, seed=job.seed,
-                                stop=None if hashed or not job.stop else list(job.stop),
+                                stop=list(job.stop) if job.stop and job.detokenize and not hashed else None,
                                 ignore_eos=job.output_tokens > 0, detokenize=not hashed and job.detokenize,
                                 output_kind=RequestOutputKind.DELTA)
         if job.prompt is None:
@@ -343,6 +358,7 @@ class VllmBackend:
             log.info("%s: request %s failed in vLLM: %s", self.replica_id, job.request_id, run.error)
         if self._runs.get(job.seq) is not run:
             return  # cancelled meanwhile
+        run.done = True
         now = self._now_s()
         if run.error:
             self._done.append(Finished(job.seq, 0, math.nan, math.nan, run.error))
@@ -387,8 +403,15 @@ class VllmBackend:
         return []
 
     def generated_tokens(self, seq: int, now_s: float) -> int:
+        """Tokens to stream so far: all of them, except, while stop strings are applied here, those whose text
+        could still be the start of a stop string (the last `len(stop) - 1` characters), as vLLM holds back."""
         run = self._runs.get(seq)
-        return 0 if run is None else run.bounds[-1][0]
+        if run is None:
+            return 0
+        if run.done or self.tokenizer is None or not run.job.stop or not run.job.detokenize:
+            return run.bounds[-1][0]
+        limit = run.chars - (max(len(s) for s in run.job.stop) - 1)
+        return next((n for n, c in reversed(run.bounds) if c <= limit), 0)
 
     def text(self, seq: int, start_tokens: int, stop_tokens: int) -> str:
         run = self._runs.get(seq)
@@ -404,9 +427,14 @@ class VllmBackend:
 
     def load(self) -> Load:
         s = self._stats
-        unstarted = sum(r.job.input_tokens for r in self._runs.values() if not r.tokens and not r.error)
+        if self.engine is not None and not self.failure and self.engine.errored:  # died while idle
+            self.failure = "the vLLM engine died"
+            if self.notify is not None:
+                self.notify()
+        pending = [r for r in self._runs.values() if not r.tokens and not r.done]
+        unstarted = sum(r.job.input_tokens for r in pending)
         cap = max(self.kv_capacity_tokens, 1)
-        waiting = max(s.num_waiting, sum(1 for r in self._runs.values() if not r.tokens) - s.num_running)
+        waiting = max(s.num_waiting, len(pending) - s.num_running)
         return Load(num_waiting=max(waiting, 0), num_running=s.num_running,
                     kv_load_frac=s.kv_usage + unstarted / cap, kv_capacity_tokens=self.kv_capacity_tokens,
                     kv_usage_frac=min(max(s.kv_usage, 0.0), 1.0), busy_s=s.busy_s, saturated_s=s.saturated_s)
