@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import math
 import os
@@ -233,6 +234,7 @@ class VllmBackend:
 
     def _build(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
@@ -241,8 +243,6 @@ class VllmBackend:
         self.folder = folder
         tokenizer = has_tokenizer(folder)
         if not tokenizer:
-            import json
-
             self.tokenizer = HashTokenizer(int(json.loads((folder / "config.json").read_text())["vocab_size"]))
         ranks = cfg.tp * cfg.pp
         args = AsyncEngineArgs(model=str(folder), load_format="safetensors", skip_tokenizer_init=not tokenizer,
@@ -251,8 +251,6 @@ class VllmBackend:
                                distributed_executor_backend="mp" if ranks > 1 else None,
                                enforce_eager=cfg.enforce_eager, disable_log_stats=True, seed=cfg.sampling_seed,
                                gpu_memory_utilization=cfg.gpu_memory_utilization, **dict(cfg.extra))
-        from vllm.platforms import current_platform
-
         env = {}
         if current_platform.is_cpu() and cfg.pp > 1:
             raise ConfigError(f"{self.replica_id}: vLLM's CPU build does not run pipeline parallelism (0.32 with "
