@@ -118,11 +118,7 @@ class EngineHost(Worker):
                                                        devices=tuple(g % self.config.gpus_per_node
                                                                      for g in cmd.replica.gpu_ids)),
                                           self.clock.now_s)
-                    try:
-                        await backend.start()
-                    except BaseException:
-                        await backend.stop()
-                        raise
+                    await backend.start()  # a start that fails or is cancelled leaves no engine behind
                 else:
                     await self.clock.sleep(cmd.ready_after_s)  # the modelled weight transfer
                 if rid in self._cancelled_starts:  # drained while it started: never serves

@@ -194,6 +194,9 @@ class VllmBackend:
         self.engine = None
         self.folder: Path | None = None
         self.tokenizer: HashTokenizer | None = None
+        """The stand-in tokenizer, for a model folder without a tokenizer of its own (None: vLLM tokenizes)."""
+        self._ids = HashTokenizer()
+        """Makes the token ids of prompts given as counts, within the folder's vocabulary."""
         self.kv_capacity_tokens = 0
         self.start_wall_s = math.nan
         """Seconds the engine took to start: built, its processes up, weights loaded, KV cache allocated (not
@@ -242,8 +245,9 @@ class VllmBackend:
             folder = Path(cfg.model_path) if cfg.model_path else materialize(seed=cfg.weights_seed)
         self.folder = folder
         tokenizer = has_tokenizer(folder)
+        self._ids = HashTokenizer(int(json.loads((folder / "config.json").read_text())["vocab_size"]))
         if not tokenizer:
-            self.tokenizer = HashTokenizer(int(json.loads((folder / "config.json").read_text())["vocab_size"]))
+            self.tokenizer = self._ids
         ranks = cfg.tp * cfg.pp
         args = AsyncEngineArgs(model=str(folder), load_format="safetensors", skip_tokenizer_init=not tokenizer,
                                dtype="bfloat16", max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
@@ -317,9 +321,8 @@ class VllmBackend:
                                 stop=list(job.stop) if job.stop and job.detokenize and not hashed else None,
                                 ignore_eos=job.output_tokens > 0, detokenize=not hashed and job.detokenize,
                                 output_kind=RequestOutputKind.DELTA)
-        if job.prompt is None:
-            tok = self.tokenizer or HashTokenizer()
-            prompt = {"prompt_token_ids": tok.synthetic(max(job.input_tokens, 1), job.request_id)}
+        if job.prompt is None:  # ids within the model's vocabulary, whatever its tokenizer
+            prompt = {"prompt_token_ids": self._ids.synthetic(max(job.input_tokens, 1), job.request_id)}
         elif hashed:
             prompt = {"prompt_token_ids": self.tokenizer.encode(job.prompt) or [1]}
         else:

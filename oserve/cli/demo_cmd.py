@@ -124,6 +124,13 @@ def demo_scenario(workload: str, model: str, gpus: int, minutes: float, history_
                     mix_cv_of(mean_mix(window, types)))
 
 
+def deployments_of(strategies) -> list[str]:
+    """The distinct deployments of a run's strategy events, each as its shapes joined by " + ". Pure."""
+    from oserve.workers.switch_planner import deployment_of
+
+    return sorted({" + ".join(str(shape) for shape in sorted(deployment_of(s.replicas).shapes())) for s in strategies})
+
+
 def demo_tracing(otlp_endpoint: str, out: Path):
     """(traces file, `TracingConfig`): spans to the OTLP endpoint when one is given, else to a fresh
     `traces.jsonl` in the report folder."""
@@ -148,7 +155,6 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     from oserve.evaluation.compare import EvalConfig, choose_static
     from oserve.streams.server import NatsServer
     from oserve.streams.subjects import Subjects
-    from oserve.workers.switch_planner import deployment_of
     from oserve.workers.system import planning_inputs
 
     console = Console(stderr=True)
@@ -193,8 +199,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
                           "over_budget": int(sum(s.decide_wall_s > s.budget_wall_s for s in strategies)),
                           "max_by_label": {label: max(s.decide_wall_s for s in strategies if s.label == label)
                                            for label in sorted({s.label for s in strategies})}},
-        "deployments": sorted({" + ".join(str(shape) for shape in sorted(deployment_of(s.replicas).shapes()))
-                               for s in record["strategies"]}),
+        "deployments": deployments_of(record["strategies"]),
         "decisions": dict(Counter(s.label for s in record["strategies"])),
         "spans": [{"span_index": f.span_index, "observed_counts": f.observed_counts,
                    "forecast_rps": [round(x, 3) for x in f.forecast_rps], "forecaster": f.forecaster,

@@ -55,7 +55,7 @@ def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rat
     """Run the live pipeline with vLLM engines on the scaled workload; the summary `oserve demo --json` prints."""
     import asyncio
 
-    from oserve.cli.demo_cmd import _live_report, _live_run, demo_tracing
+    from oserve.cli.demo_cmd import _live_report, _live_run, demo_tracing, deployments_of
     from oserve.cli.live_cmds import _system_config
     from oserve.cli.sim_cmds import _json_safe, out_console
     from oserve.errors import ConfigError
@@ -103,8 +103,7 @@ def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rat
         "answers_of_trace_length": int(sum(r.output_tokens == expected[int(r.request_id.rsplit("-", 1)[1])]
                                            for r in answers)),
         "p50_ttft_s": float(np.median(ttft)), "p99_ttft_s": float(np.quantile(ttft, 0.99)),
-        "deployments": sorted({" + ".join(sorted(f"TP{r.tp}" + (f"xPP{r.pp}" if r.pp > 1 else "")
-                                                  for r in s.replicas)) for s in record["strategies"]}),
+        "deployments": deployments_of(record["strategies"]),
         "per_request": per_request, "traces": otlp_endpoint or str(traces_path), "report": str(out),
         "seconds": time.perf_counter() - start,
     }
