@@ -29,6 +29,9 @@ def bench_switch(
                                   help="Also execute a real switch over 4 worker processes (gloo)."),
     disk_gbps: float = typer.Option(3.0, help="Reload baseline: GB/s one node reads weights from disk."),
     engine_start_s: float = typer.Option(ENGINE_START_S, help="Seconds to start an engine once its weights are in place."),
+    relays: bool = typer.Option(True, "--relays/--no-relays",
+                                help="Let the improved planner relay (forward lines through target GPUs that want "
+                                     "them) and compare it with relays off, remapped and as given."),
     seed: int = typer.Option(0, help="Seed of the executor's random weights and KV."),
 ) -> None:
     """Switching time, greedy (the paper's) vs improved (ours), against the lower bound and a reload from disk.
@@ -37,12 +40,14 @@ def bench_switch(
     per GPU) between the paper's examples — (DP, TP=2) -> (DP', TP=8) and (DP, TP=2, PP=2) -> a
     heterogeneous deployment — and between the deployments the scheduler picks as the type mix shifts
     (short -> long -> decode-heavy). Times are modeled (see oserve.switch.planner); the executor part
-    moves real tensors between processes on this machine.
+    moves real tensors between processes on this machine. With relays (the default) a second table puts
+    the improved planner with relays against it without, on its remapped placement and on the placement
+    as given, with the bound no relay plan beats.
     """
     from oserve.switch.bench import all_cases, case_rows, check_targets
     from oserve.switch.planner import SwitchConfig
 
-    config = SwitchConfig(disk_bytes_per_s=disk_gbps * 1e9, engine_start_s=engine_start_s)
+    config = SwitchConfig(disk_bytes_per_s=disk_gbps * 1e9, engine_start_s=engine_start_s, relay=relays)
     err = Console(stderr=True)
     notes: list[str] = []
     rows: list[dict] = []
@@ -62,9 +67,10 @@ def bench_switch(
             progress.add_task("executing a real switch over 4 processes", total=None)
             from oserve.switch.executor import bench_executor
 
-            exec_result = bench_executor(seed=seed)
+            exec_result = bench_executor(seed=seed, with_relay=relays)
     result = {"cases": rows, "executor": exec_result, "targets": check_targets(rows), "notes": notes,
-              "config": {"disk_bytes_per_s": config.disk_bytes_per_s, "engine_start_s": config.engine_start_s},
+              "config": {"disk_bytes_per_s": config.disk_bytes_per_s, "engine_start_s": config.engine_start_s,
+                         "relay": config.relay},
               "seconds": time.perf_counter() - started}
     if json_out:
         typer.echo(json.dumps(result, indent=2))
@@ -94,6 +100,25 @@ def _print_tables(result: dict) -> None:
     if t["llama2_70b_16gpu_min_reload_over_switch"] is not None:
         console.print(f"Llama-2-70B on 16 GPUs: reload takes {t['llama2_70b_16gpu_min_reload_over_switch']:.0f}x "
                       "the modeled switch (at least)")
+    relay_rows = [r for r in result["cases"] if r.get("relay")]
+    if relay_rows:
+        rt = Table(title="Relays: improved planner, relays on/off",
+                   caption="'on/off' pairs; relayed: bytes a target GPU forwards; bound: no plan with relays is "
+                           "faster; given: the placement as the case asked, not remapped")
+        rt.add_column("case", overflow="fold")
+        for col in ("switch ms", "network GB", "relayed GB", "bound ms", "given: ms", "network GB"):
+            rt.add_column(col, justify="right")
+        for r in relay_rows:
+            x, g = r["relay"], r["relay"]["as_given"]
+            rt.add_row(r["name"].replace("/", " "),
+                       f"{x['switch_seconds'] * 1e3:.1f}/{x['no_relay_switch_seconds'] * 1e3:.1f}",
+                       f"{x['network_bytes'] / 1e9:.1f}/{x['no_relay_network_bytes'] / 1e9:.1f}",
+                       f"{x['relayed_bytes'] / 1e9:.1f}", f"{x['relay_lower_bound_seconds'] * 1e3:.1f}",
+                       f"{g['switch_seconds'] * 1e3:.1f}/{g['no_relay_switch_seconds'] * 1e3:.1f}",
+                       f"{g['network_bytes'] / 1e9:.1f}/{g['no_relay_network_bytes'] / 1e9:.1f}")
+        console.print(compact(rt))
+        console.print(f"relays never slower: {t['relays_never_slower']}; never more network bytes: "
+                      f"{t['relays_never_more_network_bytes']}")
     for note in result["notes"]:
         console.print(f"note: {note}")
     ex = result["executor"]
@@ -110,4 +135,11 @@ def _print_tables(result: dict) -> None:
         if "injected_failure" in ex:
             f = ex["injected_failure"]
             et.add_row("injected failure", f"rolled back: {f['rolled_back']}, source intact: {f['source_intact']}")
+        if ex.get("relay"):
+            rl = ex["relay"]
+            et.add_row("relay switch", rl["switch"])
+            et.add_row("relay: bit-exact", str(rl["bit_exact"]))
+            et.add_row("relay: relayed", f"{rl['relayed_transfers']} transfers, {rl['relayed_bytes']:,} bytes")
+            et.add_row("relay: modeled s (on / off)",
+                       f"{rl['modeled_switch_seconds']:.6f} / {rl['modeled_switch_seconds_no_relay']:.6f}")
         console.print(compact(et))

@@ -28,7 +28,9 @@ class SwitchCosts:
             raise ConfigError(f"SwitchCosts: invalid values {self}")
 
     def switch_config(self) -> SwitchConfig:
-        return SwitchConfig(disk_bytes_per_s=self.disk_bytes_per_s, engine_start_s=self.engine_start_s)
+        # No relay plans here: with GPUs relabelled they changed one of the eight 32-GPU switches of `oserve bench
+        # switch`, by 0.2%, and they made planning up to 3x slower; a decision prices many switches.
+        return SwitchConfig(disk_bytes_per_s=self.disk_bytes_per_s, engine_start_s=self.engine_start_s, relay=False)
 
     def reload_s(self, model: ModelSpec, cluster: ClusterSpec, old: Deployment, target: Deployment) -> float:
         """The switch planner's reload baseline: changed replicas read their shards from disk, then start."""

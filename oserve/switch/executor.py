@@ -15,6 +15,11 @@ error, a timeout, a mismatch — it sends ABORT: workers drop staging, check tha
 are intact (the source deployment keeps serving) and say so, and the result carries a
 `SwitchRolledBack` event with the reason.
 
+A relayed transfer (`Transfer.relay`: its source got those lines earlier in the same plan) is sent from
+the source's staging buffer, and only once the receives that delivered its lines have completed: they
+come earlier in plan order, every worker issues its operations in plan order, so waiting for them cannot
+deadlock. A plan whose relay comes before its delivery is refused up front; KV plans carry no relays.
+
 Only gloo (CPU tensors) is wired: the point-to-point calls are backend-agnostic, but NCCL would need
 each rank's tensors on its own CUDA device and one GPU per rank.
 
@@ -39,7 +44,7 @@ import torch
 
 from oserve.errors import ConfigError, OServeError
 from oserve.specs import ModelSpec, stage_layers
-from oserve.switch.intervals import IntervalSet, offset_of
+from oserve.switch.intervals import IntervalSet, contains, offset_of, union
 from oserve.switch.kv import KVMigrationPlan
 from oserve.switch.layout import (RunningRequest, TensorSpec, deployment_weight_layout, gpu_role, kv_head_range,
                                   model_tensors, replica_kv_layout)
@@ -263,6 +268,13 @@ def _worker_main(job: _Job, conn) -> int:
         spec = specs[name]
         return source[name].narrow(spec.split_axis, offset_of(held[name], lo), hi - lo).contiguous()
 
+    received: dict[str, IntervalSet] = {}  # weight tensor -> lines received into staging so far
+
+    def forward(name: str, lo: int, hi: int) -> torch.Tensor:
+        """Lines this GPU received earlier in the switch, read back from its staging (a relay's source)."""
+        spec = specs[name]
+        return staging[name].narrow(spec.split_axis, offset_of(job.want[name], lo), hi - lo).contiguous()
+
     def source_intact() -> bool:
         return all(same_bits(source[n], take_lines(ref(n), specs[n], s)) for n, s in held.items())
 
@@ -291,8 +303,14 @@ def _worker_main(job: _Job, conn) -> int:
                     conn.send(("rolled_back", job.gpu, {"source_intact": source_intact(), "why": "aborted"}))
                     return 0
             batch, meta = [], []
+            waiting_relay = False
             while qi < len(queue) and len(pending) + len(batch) < cfg.max_inflight:
                 tag, t = queue[qi]
+                if t.relay and t.src_gpu == job.gpu and not contains(received.get(t.tensor, ()), (t.lines,)):
+                    # Forward only what has landed: the receives that deliver these lines come earlier in
+                    # plan order, so they are issued already; wait for them before going on.
+                    waiting_relay = True
+                    break
                 qi += 1
                 if t.link == "local":
                     put(t.tensor, t.lines[0], get(t.tensor, *t.lines))
@@ -304,7 +322,8 @@ def _worker_main(job: _Job, conn) -> int:
                 issued += 1
                 spec = specs[t.tensor]
                 if t.src_gpu == job.gpu:
-                    batch.append(dist.P2POp(dist.isend, get(t.tensor, *t.lines), job.ranks[t.dst_gpu], tag=tag))
+                    data = forward(t.tensor, *t.lines) if t.relay else get(t.tensor, *t.lines)
+                    batch.append(dist.P2POp(dist.isend, data, job.ranks[t.dst_gpu], tag=tag))
                     meta.append((t, None))
                 else:
                     n = t.lines[1] - t.lines[0]
@@ -314,6 +333,10 @@ def _worker_main(job: _Job, conn) -> int:
                     meta.append((t, buf))
             if batch:
                 pending.extend((w, t, b) for w, (t, b) in zip(dist.batch_isend_irecv(batch), meta))
+            if waiting_relay and not pending:
+                tag, t = queue[qi]
+                raise RuntimeError(f"transfer #{tag} relays {t.tensor} {t.lines} from GPU {job.gpu}, which no "
+                                   "earlier transfer of the plan delivered them to")
             if pending:
                 # gloo completes an operation only inside wait(), and a wait that times out breaks it, so
                 # wait for the oldest with the whole remaining deadline; the others progress meanwhile.
@@ -324,6 +347,8 @@ def _worker_main(job: _Job, conn) -> int:
                 w.wait(timeout=datetime.timedelta(seconds=left))
                 if buf is not None:
                     put(t.tensor, t.lines[0], buf)
+                    if t.tensor in job.want:
+                        received[t.tensor] = union(received.get(t.tensor, ()), (t.lines,))
                 moved += t.num_bytes
     except Exception as exc:
         conn.send(("failed", job.gpu, {"error": f"{type(exc).__name__}: {exc}", "source_intact": source_intact()}))
@@ -400,6 +425,10 @@ def execute_switch(model: ModelSpec, plan: SwitchPlan, *, seed: int, kv_plan: KV
     """
     import torch.distributed as dist
 
+    _check_relays(plan.transfers, "weight plan")
+    if kv_plan is not None and any(t.relay for t in kv_plan.transfers):
+        raise ConfigError("execute_switch: the KV plan relays a transfer; KV relays are not supported "
+                          "(plan_kv_migration plans none)")
     gpus = sorted({g for r in plan.source.replicas + plan.target.replicas for g in r.gpu_ids})
     if not gpus:
         return ExecutionResult(True, False, True, True, 0, 0, 0.0, 0.0, 0, (ExecutorEvent("SwitchCommitted", "no change"),))
@@ -484,6 +513,21 @@ def execute_switch(model: ModelSpec, plan: SwitchPlan, *, seed: int, kv_plan: KV
         del store
 
 
+def _check_relays(transfers, what: str) -> None:
+    """Every relayed transfer forwards lines that earlier transfers delivered to its source GPU.
+
+    Raises:
+        ConfigError: one does not (the plan's order is wrong, or it relays what nobody sends it).
+    """
+    got: dict[tuple[int, str], IntervalSet] = {}  # (gpu, tensor) -> lines delivered so far
+    for i, t in enumerate(transfers):
+        if t.relay and not contains(got.get((t.src_gpu, t.tensor), ()), (t.lines,)):
+            raise ConfigError(f"{what}: transfer #{i} relays {t.tensor} {t.lines} from GPU {t.src_gpu} to "
+                              f"{t.dst_gpu} before any earlier transfer delivered those lines to GPU {t.src_gpu}")
+        if t.link != "local":
+            got[(t.dst_gpu, t.tensor)] = union(got.get((t.dst_gpu, t.tensor), ()), (t.lines,))
+
+
 def _context(method: str):
     """A multiprocessing context; a forkserver preloads torch once, so each worker starts in a fraction of a second."""
     ctx = mp.get_context(method)
@@ -554,12 +598,13 @@ BENCH_MODEL = ModelSpec("llama-mini", num_layers=8, hidden_size=1024, num_heads=
 
 
 def bench_executor(*, seed: int = 0, planner: str = "improved", with_failure: bool = True,
-                   config: ExecutorConfig = ExecutorConfig()) -> dict:
+                   with_relay: bool = True, config: ExecutorConfig = ExecutorConfig()) -> dict:
     """Execute a real switch over 4 worker processes and report what it moved, how fast, and if bit-exact.
 
     Two nodes of two GPUs (so both NVLink and network transfers occur): (DP=2, TP=2) -> (TP=1, PP=4) of
     `BENCH_MODEL`, with three long requests migrating their KV cache. With `with_failure`, the same
-    switch is run again with an injected link failure and must roll back with the sources intact.
+    switch is run again with an injected link failure and must roll back with the sources intact. With
+    `with_relay`, a scale-out whose plan relays (`relay_switch`) is run too.
     """
     from oserve.specs import ClusterSpec, Deployment, GPUS, Replica, ReplicaShape
     from oserve.switch.kv import KVPolicy, plan_kv_migration
@@ -600,8 +645,43 @@ def bench_executor(*, seed: int = 0, planner: str = "improved", with_failure: bo
         out["injected_failure"] = {"rolled_back": fail.rolled_back, "committed": fail.committed,
                                    "source_intact": fail.source_intact,
                                    "event": f"{fail.events[-1].kind}: {fail.events[-1].detail}"}
+    if with_relay:
+        out["relay"] = relay_switch(seed=seed, config=config)
     return out
 
 
+def relay_switch(*, seed: int = 0, config: ExecutorConfig = ExecutorConfig()) -> dict:
+    """Execute a scale-out whose improved plan relays, and report it beside the relay-free plan's model.
+
+    `BENCH_MODEL` on GPU 0 of two nodes x two GPUs -> the same replica kept, a second one on GPU 1 and a
+    TP=2 replica on node 1. Without relays GPU 0's one NIC sends node 1 its whole copy; with relays GPU 1,
+    which wants every line too, forwards part of what it gets over NVLink through its own NIC.
+    """
+    from oserve.specs import ClusterSpec, Deployment, GPUS, Replica, ReplicaShape
+    from oserve.switch.planner import SwitchConfig, plan_switch
+
+    model = BENCH_MODEL
+    cluster = ClusterSpec("2x2-sim", 2, 2, GPUS["h100-80gb"], 400e9, 200e9)
+    source = Deployment((Replica("r0", ReplicaShape(1), (0,)),))
+    target = Deployment((Replica("t0", ReplicaShape(1), (0,)), Replica("t1", ReplicaShape(1), (1,)),
+                         Replica("t2", ReplicaShape(2), (2, 3))))
+    plan = plan_switch(model, cluster, source, target)
+    free = plan_switch(model, cluster, source, target, config=SwitchConfig(relay=False))
+    res = execute_switch(model, plan, seed=seed, config=config)
+    return {
+        "switch": "(TP=1 on GPU 0) -> TP=1 kept + TP=1 on GPU 1 + TP=2 on node 1, 2 nodes x 2 GPUs, planner improved",
+        "bit_exact": res.bit_exact and res.committed,
+        "relayed_transfers": sum(t.relay for t in plan.transfers),
+        "relayed_bytes": plan.relayed_bytes,
+        "bytes": res.bytes,
+        "seconds": res.seconds,
+        "modeled_switch_seconds": plan.switch_seconds,
+        "modeled_switch_seconds_no_relay": free.switch_seconds,
+        "network_bytes": plan.network_bytes,
+        "network_bytes_no_relay": free.network_bytes,
+        "events": [f"{e.kind}: {e.detail}" for e in res.events],
+    }
+
+
 __all__ = ["BENCH_MODEL", "ExecutionResult", "ExecutorConfig", "InjectedFailure", "ExecutorEvent", "SwitchExecutionError",
-           "bench_executor", "execute_switch", "full_tensor", "same_bits", "take_lines"]
+           "bench_executor", "execute_switch", "full_tensor", "relay_switch", "same_bits", "take_lines"]
