@@ -7,6 +7,7 @@ embedding and LM head) and its pipeline-parallel layer partition.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from oserve.defaults import GPUS_PER_NODE
@@ -455,6 +456,37 @@ def _lookup(kind: str, table: dict, name: str, aliases: dict[str, str] | None = 
 def model_preset(name: str) -> ModelSpec:
     """The model preset called `name` (case-insensitive); UnknownNameError lists the known ones."""
     return _lookup("model", MODELS, name, MODEL_ALIASES)
+
+
+HF_LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+"""Hugging Face architectures whose weights `oserve.switch.layout` cuts as vLLM does (no biases, gated MLP)."""
+HF_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def hf_model_spec(config: Mapping, name: str = "", dtype: str | None = None) -> ModelSpec:
+    """The `ModelSpec` of a Hugging Face `config.json` (a Llama-architecture model), e.g. to plan a live
+    switch of the model an engine really serves. `dtype` overrides the config's `torch_dtype`. Pure.
+
+    Raises:
+        ConfigError: another architecture, a missing field or a dtype of unknown size.
+    """
+    arch = list(config.get("architectures") or [])
+    if not any(a in HF_LLAMA_ARCHITECTURES for a in arch):
+        raise ConfigError(f"hf_model_spec: architectures {arch} are not among {list(HF_LLAMA_ARCHITECTURES)}")
+    dt = dtype or str(config.get("torch_dtype", "bfloat16"))
+    if dt not in HF_DTYPE_BYTES:
+        raise ConfigError(f"hf_model_spec: dtype {dt!r} has no known size (known: {sorted(HF_DTYPE_BYTES)})")
+    try:
+        heads = int(config["num_attention_heads"])
+        return ModelSpec(name or str(config.get("_name_or_path") or arch[0]), num_layers=int(config["num_hidden_layers"]),
+                         hidden_size=int(config["hidden_size"]), num_heads=heads,
+                         num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                         intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+                         gated_mlp=True, max_context_tokens=int(config.get("max_position_embeddings", 2048)),
+                         bytes_per_param=HF_DTYPE_BYTES[dt],
+                         tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+    except KeyError as exc:
+        raise ConfigError(f"hf_model_spec: config.json has no {exc.args[0]!r}") from None
 
 
 def gpu_preset(name: str) -> GPUSpec:

@@ -90,11 +90,13 @@ _GROUPS: tuple[_Group, ...] = (
            "A switch between deployments: planned, then completed or rolled back; and a replica of the deployment "
            "in force started again after it fell silent."),
     _Group("plan.replica", lambda s: s.plan_event("replica"), "event", Subjects.stream_plans,
-           ("replica_ready.v1", "replica_drained.v1"), "An engine host brought a replica up or released it."),
+           ("replica_ready.v1", "replica_drained.v1", "replica_failed.v1", "weights_received.v1", "weights_sent.v1"),
+           "An engine host brought a replica up, released it or could not start it; in a live switch, a new replica "
+           "received its weights and a serving one sent its part."),
     _Group("plan.assignment", lambda s: s.plan_event("assignment"), "event", Subjects.stream_plans,
            ("assignment.v1",), "The assignment the routers follow from now on (also in the strategy KV bucket)."),
     _Group("host.control", lambda s: s.host_control("HOST_ID"), "command", None,
-           ("start_replica.v1", "drain_replica.v1"), "Workers only: commands to one engine host."),
+           ("start_replica.v1", "drain_replica.v1", "send_weights.v1"), "Workers only: commands to one engine host."),
     _Group("heartbeats", lambda s: s.heartbeat("REPLICA_ID"), "event", Subjects.stream_telemetry, ("heartbeat.v1",),
            "Each replica's liveness and load, twice a wall second; the router balances on it."),
     _Group("telemetry", lambda s: s.telemetry("SOURCE_ID"), "event", Subjects.stream_telemetry, ("telemetry.v1",),

@@ -47,6 +47,7 @@ MAX_STOP_CHARS = 256
 Tokens = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
 PosTokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 Seconds = Annotated[float, Meta(ge=0.0)]
+NumBytes = Annotated[int, Meta(ge=0)]
 EVENT_BATCH_ITEMS = 500
 """Items per batched event (`Arrived`, `Completed`); about 100 KiB of JSON, well under the message limit."""
 
@@ -129,6 +130,28 @@ class Pong(_Msg, frozen=True, kw_only=True, tag="pong.v1"):
     num_replicas: int
 
 
+MAX_RESUME_TOKENS = 16384
+"""Generated tokens a migrating request may carry (`Resume.token_ids`: about 100 KiB of JSON); one that has
+generated more finishes on its old replica instead."""
+
+
+class Resume(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request migrated in a switch stood on its old replica: the new replica continues from here
+    (it prefills the prompt plus these tokens and generates the rest), so the client's answer carries on."""
+
+    num_tokens: Tokens
+    """Tokens generated so far (they count towards `max_tokens`)."""
+    token_ids: Annotated[list[int], Meta(max_length=MAX_RESUME_TOKENS)] = []
+    """Their ids (a real engine's; empty from a backend without a model, which counts them only)."""
+    text: Annotated[str, Meta(max_length=MAX_MESSAGE_BYTES // 2)] = ""
+    """Their text, when the answer has text."""
+    sent_tokens: Tokens = 0
+    """Of them, the tokens the client already got in `ReplyChunk`s: the new replica's chunks go on from here."""
+    sent_chars: Annotated[int, Meta(ge=0)] = 0
+    from_replica: str = ""
+    """The replica it left."""
+
+
 class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     """A validated request, forwarded by the gateway to one engine worker (reply goes to the client)."""
 
@@ -164,6 +187,9 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     deadline_unix_s: float | None = None
     """Unix time (wall seconds) after which nobody waits for the answer (the gateway's arrival time plus the
     request's timeout): an engine refuses or aborts the request past it with `deadline_exceeded`."""
+    resume: Resume | None = None
+    """Set when the request migrated from a retiring replica in a switch (`Completed.migrated`): continue
+    from what it generated there."""
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
@@ -296,6 +322,13 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     finished_at_s: float  # on the engine's clock
 
 
+class Migration(msgspec.Struct, frozen=True, kw_only=True):
+    """One request handed over mid-answer by a retiring replica (`Completed.migrated`)."""
+
+    request_id: str
+    resume: Resume
+
+
 class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
     """Requests one engine answered since its last event; true output lengths for the forecaster."""
 
@@ -307,6 +340,10 @@ class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
     """Request ids the engine dropped unanswered because it fenced itself (its loop stalled for longer
     than a gateway waits for a heartbeat, so they may be re-dispatched already): the gateway
     re-dispatches each one it still holds on this replica."""
+    migrated: list[Migration] = []
+    """Requests a retiring replica stopped mid-answer in a switch (`DrainReplica.migrate_after_s`), with what
+    they generated: the gateway dispatches each one it still holds on this replica to a new replica, which
+    continues it (`Dispatch.resume`). Unanswered here; answered once, there."""
     clock_epoch_unix_s: float = 0.0
     """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
     clock_speedup: float = 1.0
@@ -451,12 +488,31 @@ class StrategyChosen(_Msg, frozen=True, kw_only=True, tag="strategy.v1"):
     """How many clock seconds pass per wall second on the producer's clock."""
 
 
+class WeightSession(msgspec.Struct, frozen=True, kw_only=True):
+    """A live switch's weight transfer as one replica takes part in it (`oserve.switch.transport`): where its
+    processes meet (a `TCPStore` the switch planner serves) and which endpoint each of its ranks is; each
+    rank fetches its own job (`oserve.switch.wire.EndpointJob`) there."""
+
+    session_id: TokenId
+    host: Annotated[str, Meta(min_length=1, max_length=253)]
+    port: Annotated[int, Meta(ge=1, le=65535)]
+    timeout_s: Annotated[float, Meta(gt=0.0, le=MAX_TIMEOUT_S)]
+    endpoints: Annotated[list[Annotated[str, Meta(max_length=2 * MAX_ID_CHARS)]], Meta(min_length=1, max_length=4096)]
+    """`"<replica_id>/<rank>"` of each rank, by rank."""
+    num_bytes: NumBytes = 0
+    """Bytes these ranks receive (a new replica) or send (a source), as the plan sizes them."""
+
+
 class StartReplica(_Msg, frozen=True, kw_only=True, tag="start_replica.v1"):
     """Command to an engine host: bring up a replica, serving after `ready_after_s` clock seconds."""
 
     strategy_id: str
     replica: ReplicaSpec
     ready_after_s: float
+    weights: WeightSession | None = None
+    """None: the replica loads its weights itself (from the model's files, or modelled: `ready_after_s`).
+    Set: it starts without weights and receives its shards from the replicas that hold them (`SendWeights`
+    goes to their hosts), and serves only once every byte is verified; else it reports `ReplicaFailed`."""
 
 
 class DrainReplica(_Msg, frozen=True, kw_only=True, tag="drain_replica.v1"):
@@ -464,6 +520,56 @@ class DrainReplica(_Msg, frozen=True, kw_only=True, tag="drain_replica.v1"):
 
     strategy_id: str
     replica_id: str
+    migrate_after_s: Annotated[float, Meta(ge=0.0)] | None = None
+    """Wall seconds the replica finishes requests in place; what still runs then is handed over to the new
+    replicas with what it generated (`Completed.migrated`). None: every request finishes in place."""
+
+
+class SendWeights(_Msg, frozen=True, kw_only=True, tag="send_weights.v1"):
+    """Command to an engine host: a replica it serves sends weight shards to new replicas in a live switch,
+    while it goes on serving (see `StartReplica.weights`); the host reports `WeightsSent`."""
+
+    strategy_id: str
+    replica_id: str
+    weights: WeightSession
+
+
+class WeightsReceived(_Msg, frozen=True, kw_only=True, tag="weights_received.v1"):
+    """A new replica's ranks received their shards in a live switch (verified: each op's bytes, where they
+    landed, matched the sender's checksum) and put them in force, or failed (`error`)."""
+
+    strategy_id: str
+    replica_id: str
+    verified: bool
+    num_bytes: NumBytes = 0
+    engine_start_wall_s: Seconds = 0.0
+    """Starting the engine with dummy weights (process, memory profiling, KV cache)."""
+    transfer_wall_s: Seconds = 0.0
+    """Its slowest rank's transfer: first op to last, making the pair groups included."""
+    install_wall_s: Seconds = 0.0
+    """Putting the received weights in force (the layers' post-load processing)."""
+    error: str = ""
+
+
+class WeightsSent(_Msg, frozen=True, kw_only=True, tag="weights_sent.v1"):
+    """A serving replica finished sending its part of a live switch (or failed: `error`)."""
+
+    strategy_id: str
+    replica_id: str
+    verified: bool
+    num_bytes: NumBytes = 0
+    wall_s: Seconds = 0.0
+    """From the command to its last op (waiting for the new replicas' engines to start included)."""
+    error: str = ""
+
+
+class ReplicaFailed(_Msg, frozen=True, kw_only=True, tag="replica_failed.v1"):
+    """A replica could not be started (its engine did not come up, or its weights did not all arrive
+    verified); nothing of it serves, and the switch that asked for it rolls back at once."""
+
+    strategy_id: str
+    replica_id: str
+    reason: str
 
 
 class ReplicaReady(_Msg, frozen=True, kw_only=True, tag="replica_ready.v1"):
@@ -492,6 +598,14 @@ class SwitchPlanned(_Msg, frozen=True, kw_only=True, tag="switch_planned.v1"):
 class SwitchCompleted(_Msg, frozen=True, kw_only=True, tag="switch_completed.v1"):
     strategy_id: str
     switch_wall_s: float
+    moved_bytes: NumBytes = 0
+    """Weight bytes the new replicas received from the serving ones (0: none moved; they loaded or were
+    modelled)."""
+    engine_start_wall_s: Seconds = 0.0
+    """The slowest new replica's engine start (live switches)."""
+    transfer_wall_s: Seconds = 0.0
+    """The slowest new replica's weight transfer (live switches)."""
+    install_wall_s: Seconds = 0.0
 
 
 class SwitchRolledBack(_Msg, frozen=True, kw_only=True, tag="switch_rolled_back.v1"):
@@ -509,9 +623,9 @@ class ReplicaRestarted(_Msg, frozen=True, kw_only=True, tag="replica_restarted.v
     """How long it had sent no heartbeat (wall seconds)."""
 
 
-HostCommand = StartReplica | DrainReplica
+HostCommand = StartReplica | DrainReplica | SendWeights
 SwitchEvent = SwitchPlanned | SwitchCompleted | SwitchRolledBack | ReplicaRestarted
-ReplicaEvent = ReplicaReady | ReplicaDrained
+ReplicaEvent = ReplicaReady | ReplicaDrained | ReplicaFailed | WeightsReceived | WeightsSent
 
 
 class SchemaError(Exception):

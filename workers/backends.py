@@ -69,6 +69,13 @@ class Job:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     """The sampling fields of the request; only the `vllm` backend honours them."""
+    resumed_tokens: int = 0
+    """Tokens of the answer generated on another replica before the request migrated here in a switch
+    (`Dispatch.resume`): they count towards `max_tokens` and the answer, and are not generated again."""
+    resumed_ids: tuple[int, ...] = ()
+    """Their token ids (a real engine's; empty when the old replica had no model): the `vllm` backend
+    prefills the prompt plus these and goes on from there."""
+    resumed_text: str = ""
 
     @property
     def answer_tokens(self) -> int:
@@ -122,6 +129,11 @@ class Backend(Protocol):
         name it later (one that does is to be ignored). Returns what else is finished by `now_s`, as `add`."""
         ...
 
+    def token_ids(self, seq: int) -> list[int]:
+        """The token ids the unfinished job `seq` has produced (resumed ones included); [] from a backend
+        without a model, which counts tokens only (`generated_tokens`)."""
+        ...
+
 
 class EchoBackend:
     """Zero-cost engine: every request finishes the moment it arrives (for the bus benchmark), with
@@ -134,7 +146,10 @@ class EchoBackend:
         return placeholder_text(start_tokens, stop_tokens)
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
-        return [Finished(job.seq, job.answer_tokens, now_s, now_s)]
+        return [Finished(job.seq, max(job.answer_tokens, job.resumed_tokens), now_s, now_s)]
+
+    def token_ids(self, seq: int) -> list[int]:
+        return []
 
     def cancel(self, seq: int, now_s: float) -> list[Finished]:
         return []  # nothing is ever unfinished here
@@ -177,19 +192,28 @@ class SimBackend:
         self.replica = SimReplica(replica_id, shape, perf.timer(shape), engine,
                                   kv_capacity_tokens(model, gpu, shape, memory), memory.block_tokens)
         self._held: dict[int, SimRequest] = {}  # seq -> unfinished request
+        self._resumed: dict[int, int] = {}  # seq -> tokens generated elsewhere before it migrated here
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
+        """A migrated job (`Job.resumed_tokens`) prefills its prompt plus what it generated and produces the rest."""
         done = self.advance(now_s)  # the kernel's order: step ends up to now first, then the arrival
-        req = SimRequest(job.seq, job.type_index, now_s, job.input_tokens, job.answer_tokens)
+        resumed = min(job.resumed_tokens, job.answer_tokens - 1)
+        req = SimRequest(job.seq, job.type_index, now_s, job.input_tokens + resumed, job.answer_tokens - resumed)
         self._held[job.seq] = req
+        if resumed:
+            self._resumed[job.seq] = resumed
         self.replica.enqueue(req, now_s)
         return done + self._rejected()
+
+    def token_ids(self, seq: int) -> list[int]:
+        return []
 
     def cancel(self, seq: int, now_s: float) -> list[Finished]:
         """Abort the job in the simulated replica (`SimReplica.abort`): its KV is freed at once, or at the end
         of the step in progress when it is in that step's batch; the run of decode steps is cut there."""
         done = self.advance(now_s)  # step ends up to now first, as for an arrival
         req = self._held.pop(seq, None)
+        self._resumed.pop(seq, None)
         if req is not None:
             self.replica.abort(req, now_s)
         return done + self._rejected()
@@ -199,7 +223,8 @@ class SimBackend:
         out: list[Finished] = []
         while rep.busy and rep.step_end_s <= now_s:
             outcome = rep.on_step_end(rep.step_end_s)
-            out += [Finished(r.request_id, r.generated, r.first_token_s, r.finish_s) for r in outcome.finished]
+            out += [Finished(r.request_id, r.generated + self._resumed.pop(r.request_id, 0), r.first_token_s,
+                             r.finish_s) for r in outcome.finished]
         for f in out:
             self._held.pop(f.seq, None)
         return out + self._rejected()
@@ -212,12 +237,13 @@ class SimBackend:
                for r in rep.rejected]
         for r in rep.rejected:
             self._held.pop(r.request_id, None)
+            self._resumed.pop(r.request_id, None)
         rep.rejected.clear()
         return out
 
     def generated_tokens(self, seq: int, now_s: float) -> int:
         req = self._held.get(seq)
-        return 0 if req is None else self.replica.generated_tokens(req, now_s)
+        return 0 if req is None else self.replica.generated_tokens(req, now_s) + self._resumed.get(seq, 0)
 
     def text(self, seq: int, start_tokens: int, stop_tokens: int) -> str:
         return placeholder_text(start_tokens, stop_tokens)

@@ -57,8 +57,9 @@ from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import (GEN_AI_PROVIDER, extract, genai_span_name, inject, messaging_attributes,
                                           trace_headers)
-from oserve.streams.schemas import (EVENT_BATCH_ITEMS, AbortRequest, Completed, Completion, Dispatch, ErrorCode,
-                                    ErrorReply, Heartbeat, Reply, ReplyChunk, SchemaError, Telemetry, decode, encode)
+from oserve.streams.schemas import (EVENT_BATCH_ITEMS, MAX_MESSAGE_BYTES, MAX_RESUME_TOKENS, AbortRequest, Completed,
+                                    Completion, Dispatch, ErrorCode, ErrorReply, Heartbeat, Migration, Reply,
+                                    ReplyChunk, Resume, SchemaError, Telemetry, decode, encode)
 from oserve.streams.subjects import Subjects, dedupe_key, reply_error
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
@@ -199,6 +200,8 @@ class EngineWorker(Worker):
         self.num_expired = 0  # requests answered `deadline_exceeded` (refused or aborted at their deadline)
         self.num_overloaded = 0
         self.num_fenced = 0  # times this replica fenced itself after a stall
+        self.num_migrated = 0  # requests handed over mid-answer to a switch's new replicas
+        self._migrate_after_wall_s: float | None = None  # set by `drain_migrating`
         self._window_e2e: list[float] = []
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline_unix_s, seq) of in-flight requests
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
@@ -212,9 +215,20 @@ class EngineWorker(Worker):
     def _loops(self):
         return [self._step_loop, self._flush_loop, self._heartbeat_loop, self._telemetry_loop]
 
+    async def drain_migrating(self, migrate_after_wall_s: float | None) -> None:
+        """Drain, handing over to the new replicas of a switch what still runs after `migrate_after_wall_s`
+        (None: a plain `drain`, everything finishes here). See `_migrate`."""
+        self._migrate_after_wall_s = migrate_after_wall_s
+        await self.drain()
+
     async def _drain(self) -> None:
         self._accepting = False
         await self._send_heartbeat()
+        if self._migrate_after_wall_s is not None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self._migrate_after_wall_s)
+            except TimeoutError:
+                await self._migrate()
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_wall_s)
         except TimeoutError:
@@ -323,9 +337,12 @@ class EngineWorker(Worker):
             return
         now_s = self.clock.now_s()
         self._seq += 1
+        resume = d.resume
         job = Job(self._seq, d.request_id, d.input_tokens, d.max_tokens, d.type_index, now_s,
                   d.sim_output_tokens or 0, stream=d.stream, detokenize=d.detokenize, prompt=d.prompt,
-                  temperature=d.temperature, top_p=d.top_p, seed=d.seed, stop=tuple(d.stop))
+                  temperature=d.temperature, top_p=d.top_p, seed=d.seed, stop=tuple(d.stop),
+                  resumed_tokens=resume.num_tokens if resume else 0,
+                  resumed_ids=tuple(resume.token_ids) if resume else (), resumed_text=resume.text if resume else "")
         span = None
         if self.tracer is not None:
             # the GenAI inference span ("text_completion llama2-7b"), consuming the dispatch message
@@ -344,7 +361,11 @@ class EngineWorker(Worker):
                                                                              message_id=d.request_id,
                                                                              body_size_bytes=len(msg.data))})
         self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers),
-                                            key=key, fingerprint=d.fingerprint, deadline_unix_s=d.deadline_unix_s)
+                                            key=key, fingerprint=d.fingerprint, deadline_unix_s=d.deadline_unix_s,
+                                            sent_tokens=resume.sent_tokens if resume else 0,
+                                            sent_chars=resume.sent_chars if resume else 0)
+        if resume is not None and span is not None:
+            span.set_attributes({"oserve.resumed_tokens": resume.num_tokens, "oserve.migrated_from": resume.from_replica})
         self._by_id[key] = job.seq
         if d.deadline_unix_s is not None:
             heapq.heappush(self._deadlines, (d.deadline_unix_s, job.seq))
@@ -409,6 +430,58 @@ class EngineWorker(Worker):
             self._idle.set()
         if self.backend.next_event_s() != self._waiting_for_s:
             self._wake.set()
+
+    async def _migrate(self) -> None:
+        """Hand every request still in flight over to the new replicas of a switch: each is dropped here, its
+        KV freed, and listed in `Completed.migrated` with what it generated (token ids and text) and what its
+        client was sent; the gateway dispatches it to a new replica, which continues it (`Dispatch.resume`).
+        Nothing is answered here. A request past `MAX_RESUME_TOKENS`, or a stalled replica's (it fences
+        instead), finishes in place."""
+        if self._stalled():
+            return
+        now_s = self.clock.now_s()
+        handed: list[Migration] = []
+        for item in list(self._inflight.values()):
+            job = item.job
+            tokens = self.backend.generated_tokens(job.seq, now_s)
+            ids = self.backend.token_ids(job.seq)[:tokens]
+            if tokens > MAX_RESUME_TOKENS or tokens >= job.answer_tokens:
+                continue
+            text = self.backend.text(job.seq, 0, tokens) if job.detokenize else ""
+            if len(text.encode()) > MAX_MESSAGE_BYTES // 2:
+                continue
+            # out of flight before anything is awaited: from here on nothing answers it on this replica
+            self._inflight.pop(job.seq, None)
+            self._by_id.pop(item.key, None)
+            chunk = None
+            if job.seq in self._streams and tokens > item.sent_tokens:  # the client gets all of it before it moves
+                chunk = ReplyChunk(request_id=job.request_id, replica_id=self.config.replica_id, index=item.num_chunks,
+                                   offset_tokens=item.sent_tokens, num_tokens=tokens - item.sent_tokens,
+                                   text=text[item.sent_chars:], offset_chars=item.sent_chars)
+                item.sent_tokens, item.sent_chars = tokens, len(text)
+            self._streams.discard(job.seq)
+            handed.append(Migration(request_id=job.request_id, resume=Resume(
+                num_tokens=tokens, token_ids=ids, text=text, sent_tokens=min(item.sent_tokens, tokens),
+                sent_chars=min(item.sent_chars, len(text)) if job.detokenize else 0,
+                from_replica=self.config.replica_id)))
+            done = self.backend.cancel(job.seq, now_s)
+            if chunk is not None and item.reply:
+                await self.nc.publish(item.reply, encode(chunk))
+            if item.span is not None:
+                item.span.set_attributes({"oserve.cancelled": "migrated", "oserve.output_tokens": tokens})
+                item.span.end()
+            if done:
+                await self._finish(done)
+        self.num_migrated += len(handed)
+        if not self._inflight:
+            self._idle.set()
+        self._wake.set()
+        if handed:
+            log.info("%s: %d requests handed over to the new deployment", self.config.replica_id, len(handed))
+        for i in range(0, len(handed), EVENT_BATCH_ITEMS):
+            await self.nc.publish(self.config.subjects.completions(), encode(Completed(
+                replica_id=self.config.replica_id, items=[], migrated=handed[i:i + EVENT_BATCH_ITEMS],
+                **self.clock.stamp())))
 
     def _stalled(self) -> bool:
         """Whether this replica went longer than `fence_after_wall_s` without a heartbeat the server confirmed

@@ -21,8 +21,9 @@ from opentelemetry.trace import Tracer
 from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
-from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaReady, StartReplica,
-                                    encode)
+from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaFailed, ReplicaReady,
+                                    SendWeights, StartReplica, WeightsReceived, WeightsSent, encode)
+from oserve.switch.wire import Rendezvous
 from oserve.streams.subjects import Subjects
 from oserve.workers.backends import SimBackendConfig
 from oserve.workers.base import Worker
@@ -48,6 +49,9 @@ class EngineHostConfig:
     heartbeat_interval_wall_s: float = 0.5
     fence_after_wall_s: float = 1.5
     """`EngineWorkerConfig.fence_after_wall_s` of every engine it starts."""
+    transfer_host: str = "127.0.0.1"
+    """The address this host's engine processes take part in a live switch's transfers on (gloo binds its
+    sockets to it; the other hosts' engines connect to it): this host's address on the cluster network."""
 
     def __post_init__(self) -> None:
         self.subjects.host_control(self.host_id)  # validates the id as a subject token
@@ -97,10 +101,66 @@ class EngineHost(Worker):
         try:
             if isinstance(cmd, StartReplica):
                 await self._start_replica(cmd, headers)
+            elif isinstance(cmd, SendWeights):
+                await self._send_weights(cmd, headers)
             else:
                 await self._drain_replica(cmd, headers)
-        except Exception:  # outermost for one command: the switch planner times out and rolls back
+        except Exception as exc:  # outermost for one command: the switch planner rolls back
             log.exception("%s: command %s failed", self.config.host_id, cmd)
+            if isinstance(cmd, StartReplica):
+                await self._publish(ReplicaFailed(strategy_id=cmd.strategy_id, replica_id=cmd.replica.replica_id,
+                                                  reason=f"{type(exc).__name__}: {exc}"), headers)
+
+    async def _publish(self, event, headers) -> None:
+        await self.nc.publish(self.config.subjects.plan_event("replica"), encode(event), headers=headers)
+
+    async def _receive_weights(self, backend: VllmBackend, cmd: StartReplica, headers) -> bool:
+        """A new replica's engine (started with dummy weights) receives its shards in a live switch, verified, and
+        puts them in force; reports `WeightsReceived`, or `ReplicaFailed` when any of it failed."""
+        w = cmd.weights
+        assert w is not None
+        rid = cmd.replica.replica_id
+        outcome = await backend.run_switch_job(Rendezvous(w.session_id, w.host, w.port, w.timeout_s),
+                                               tuple(w.endpoints), bind_host=self.config.transfer_host)
+        install_s = 0.0
+        error = "; ".join(outcome.errors)
+        if outcome.verified:
+            try:
+                install_s = await backend.install_weights()
+            except Exception as exc:  # a rank could not put them in force: nothing of this replica serves
+                error = f"installing the received weights failed: {type(exc).__name__}: {exc}"
+        ok = outcome.verified and not error
+        await self._publish(WeightsReceived(
+            strategy_id=cmd.strategy_id, replica_id=rid, verified=ok, num_bytes=outcome.bytes_received,
+            engine_start_wall_s=backend.start_wall_s, transfer_wall_s=outcome.transfer_s, install_wall_s=install_s,
+            error=error), headers)
+        if not ok:
+            log.warning("%s: replica %s did not receive its weights: %s", self.config.host_id, rid, error)
+            await self._publish(ReplicaFailed(strategy_id=cmd.strategy_id, replica_id=rid,
+                                              reason=f"weights not received: {error}"), headers)
+        else:
+            log.info("%s: replica %s received %.1f MB in %.2f s (engine start %.1f s, install %.2f s)",
+                     self.config.host_id, rid, outcome.bytes_received / 1e6, outcome.transfer_s,
+                     backend.start_wall_s, install_s)
+        return ok
+
+    async def _send_weights(self, cmd: SendWeights, headers) -> None:
+        """A serving replica sends its part of a live switch, while it goes on serving; reports `WeightsSent`."""
+        engine = self.engines.get(cmd.replica_id)
+        backend = engine.backend if engine is not None else None
+        w = cmd.weights
+        if not isinstance(backend, VllmBackend):
+            error = (f"replica {cmd.replica_id} does not serve here" if engine is None else
+                     f"replica {cmd.replica_id} has no real engine to send weights from (backend "
+                     f"{self.config.backend})")
+            await self._publish(WeightsSent(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id, verified=False,
+                                            error=error), headers)
+            return
+        outcome = await backend.run_switch_job(Rendezvous(w.session_id, w.host, w.port, w.timeout_s),
+                                               tuple(w.endpoints), bind_host=self.config.transfer_host)
+        await self._publish(WeightsSent(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id,
+                                        verified=outcome.verified, num_bytes=outcome.bytes_sent, wall_s=outcome.wall_s,
+                                        error="; ".join(outcome.errors)), headers)
 
     async def _start_replica(self, cmd: StartReplica, headers) -> None:
         rid = cmd.replica.replica_id
@@ -113,12 +173,16 @@ class EngineHost(Worker):
             self._starting.add(rid)
             try:
                 backend = None
-                if self.config.backend == "vllm":  # the real start, weights loaded, is the wait
+                if self.config.backend == "vllm":  # the real start, weights loaded or received, is the wait
                     backend = VllmBackend(rid, replace(self.config.vllm, tp=cmd.replica.tp, pp=cmd.replica.pp,
                                                        devices=tuple(g % self.config.gpus_per_node
-                                                                     for g in cmd.replica.gpu_ids)),
+                                                                     for g in cmd.replica.gpu_ids),
+                                                       dummy_weights=cmd.weights is not None),
                                           self.clock.now_s)
                     await backend.start()  # a start that fails or is cancelled leaves no engine behind
+                    if cmd.weights is not None and not await self._receive_weights(backend, cmd, headers):
+                        await backend.stop()
+                        return
                 else:
                     await self.clock.sleep(cmd.ready_after_s)  # the modelled weight transfer
                 if rid in self._cancelled_starts:  # drained while it started: never serves
@@ -157,7 +221,7 @@ class EngineHost(Worker):
                                       headers=headers)
             return
         self._retiring[cmd.replica_id] = engine  # the host's own drain and stop still see it
-        await engine.drain()
+        await engine.drain_migrating(cmd.migrate_after_s)
         await _stop_engine(engine)
         self._retiring.pop(cmd.replica_id, None)  # not on cancellation: the host's stop stops it
         await self.nc.publish(self.config.subjects.plan_event("replica"),

@@ -313,6 +313,7 @@ class Gateway(Worker):
         self.num_bad_reply = 0  # requests dropped for a reply subject that is not an inbox (nothing is sent there)
         self.num_expired = 0  # requests answered `deadline_exceeded` here
         self.num_requeued = 0  # requests a fenced engine handed back (`Completed.requeue`)
+        self.num_migrated = 0  # requests a retiring replica handed over mid-answer (`Completed.migrated`)
         self.num_disconnects = 0  # liveness checks that found this gateway itself cut off from NATS
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
@@ -707,12 +708,20 @@ class Gateway(Worker):
             if p is not None and p.replica_id == c.replica_id:
                 self.num_requeued += 1
                 await self._redispatch(request_id, p)
+        for m in c.migrated:  # handed over mid-answer by a retiring replica: continued on a new one
+            p = pending.get(m.request_id)
+            if p is not None and p.replica_id == c.replica_id:
+                self.num_migrated += 1
+                p.dispatch = msgspec.structs.replace(p.dispatch, resume=m.resume)
+                await self._redispatch(m.request_id, p, migrated=True)
 
     # --- nothing lost --------------------------------------------------------------------------------
 
-    async def _redispatch(self, rid: str, p: _Pending) -> None:
+    async def _redispatch(self, rid: str, p: _Pending, *, migrated: bool = False) -> None:
+        """Dispatch a held request again (its replica died, fenced, or, `migrated`, handed it over in a switch:
+        not a failed attempt)."""
         first = p.wait_until_wall_s is not None  # held since it came in: this is its first dispatch
-        attempt = p.dispatch.attempt + (0 if first else 1)
+        attempt = p.dispatch.attempt + (0 if first or migrated else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
             self.num_failed += 1

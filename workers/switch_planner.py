@@ -33,10 +33,12 @@ from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
 from oserve.streams.schemas import (AssignmentSet, DrainReplica, Heartbeat, ReplicaDrained, ReplicaEvent,
-                                    ReplicaReady, ReplicaRestarted, ReplicaSpec, StartReplica, StrategyChosen,
-                                    SwitchCompleted, SwitchPlanned, SwitchRolledBack, encode)
+                                    ReplicaFailed, ReplicaReady, ReplicaRestarted, ReplicaSpec, SendWeights,
+                                    StartReplica, StrategyChosen, SwitchCompleted, SwitchPlanned, SwitchRolledBack,
+                                    WeightSession, WeightsReceived, WeightsSent, encode)
 from oserve.streams.subjects import Subjects
-from oserve.switch import SwitchPlan, plan_switch
+from oserve.switch import SwitchConfig, SwitchPlan, plan_switch
+from oserve.switch.wire import wire_plan
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 
@@ -62,10 +64,29 @@ class SwitchPlannerConfig:
     dead) is started again on its host; 0 turns this off."""
     restart_ready_after_s: float = ENGINE_START_S
     """The modelled time (clock seconds) a restarted replica takes to come up."""
+    live_transfer: bool = False
+    """Real engines (the `vllm` backend): a new replica starts without weights and receives its shards from the
+    serving replicas that hold them (`oserve.switch.wire`, `oserve.switch.transport`), verified before it
+    serves. False: engines model the transfer (`StartReplica.ready_after_s`)."""
+    rendezvous_host: str = "127.0.0.1"
+    """The address this worker serves a live switch's rendezvous store on (engine hosts connect to it)."""
+    transfer_timeout_s: float = 600.0
+    """Deadline of every wait inside a live transfer (a peer's arrival, one op)."""
+    chunk_bytes: int = 64 * 1024 * 1024
+    """Largest message of a live transfer (`wire_plan`)."""
+    migrate_after_wall_s: float | None = None
+    """A retiring replica finishes its requests in place for this long (wall seconds), then hands what still
+    runs over to the new replicas with what it generated (`DrainReplica.migrate_after_s`); None: it finishes
+    everything in place."""
 
     def __post_init__(self) -> None:
         if not self.host_ids or self.gpus_per_node < 1 or self.ready_slack_wall_s <= 0:
             raise ConfigError(f"SwitchPlannerConfig: invalid values {self}")
+        if not self.transfer_timeout_s > 0 or self.chunk_bytes < 1 or not (self.migrate_after_wall_s is None
+                                                                             or self.migrate_after_wall_s >= 0):
+            raise ConfigError(f"SwitchPlannerConfig: transfer_timeout_s > 0, chunk_bytes >= 1 and migrate_after_wall_s "
+                              f">= 0 (or None) required, got {self.transfer_timeout_s}, {self.chunk_bytes}, "
+                              f"{self.migrate_after_wall_s}")
         if not self.restart_after_wall_s >= 0 or not self.restart_ready_after_s >= 0:
             raise ConfigError(f"SwitchPlannerConfig: restart_after_wall_s and restart_ready_after_s must be >= 0, "
                               f"got {self.restart_after_wall_s}, {self.restart_ready_after_s}")
@@ -78,13 +99,18 @@ class SwitchPlannerWorker(Worker):
 
     def __init__(self, nc: NATS, config: SwitchPlannerConfig, clock: Clock, *, tracer: Tracer | None = None,
                  kv: KeyValue | None = None, model: ModelSpec | None = None, cluster: ClusterSpec | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, served_model: ModelSpec | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
         self.metrics = metrics
         """The deployment serving, switches by outcome and their wall time (None: no metrics)."""
         self.model, self.cluster = model, cluster
         """The model and cluster the transfer plans are made for (no plan without them)."""
+        self.served_model = served_model
+        """The model the engines really serve, whose weights a live switch moves (None: `model`)."""
+        self._switching_to: str | None = None  # the strategy id of the switch in progress
+        self._failed: dict[str, str] = {}  # replica_id -> why it could not start, for the switch in progress
+        self._received: dict[str, WeightsReceived] = {}  # replica_id -> its transfer, for the switch in progress
         self.current: dict[str, ReplicaSpec] = {}  # replica_id -> spec, of the serving deployment
         self.strategy_id = ""
         self._queue: asyncio.Queue[tuple[StrategyChosen, dict | None]] = asyncio.Queue()
@@ -148,6 +174,14 @@ class SwitchPlannerWorker(Worker):
             self._ready.add(ev.replica_id)
         elif isinstance(ev, ReplicaDrained):
             self._ready.discard(ev.replica_id)
+        elif ev.strategy_id != self._switching_to:
+            pass  # news of an earlier switch, or of a restart: not the switch in progress
+        elif isinstance(ev, ReplicaFailed):
+            self._failed[ev.replica_id] = ev.reason
+        elif isinstance(ev, WeightsReceived):
+            self._received[ev.replica_id] = ev
+        elif isinstance(ev, WeightsSent) and not ev.verified:  # a source failed: its targets cannot complete
+            self._failed[f"{ev.replica_id} (sending)"] = ev.error or "sending failed"
         self._ready_changed.set()
 
     def host_of(self, spec: ReplicaSpec) -> str:
@@ -182,15 +216,50 @@ class SwitchPlannerWorker(Worker):
 
     def transfer_plan(self, s: StrategyChosen) -> SwitchPlan | None:
         """The core switch planner's plan from the serving deployment to the strategy's (None without a
-        model and cluster, or when the plan cannot be made: the switch then goes on as modelled)."""
-        if self.model is None or self.cluster is None or not self.current:
+        model and cluster, or when the plan cannot be made: the switch then goes on as modelled, or, live,
+        the new replicas load their weights themselves). A live switch's plan keeps the strategy's placement
+        (no relabelling of GPUs: the engines start where the strategy puts them)."""
+        model = self.served_model or self.model
+        if model is None or self.cluster is None or not self.current:
             return None  # no model to plan for, or nothing to copy from (the first load is from disk)
         try:
-            return plan_switch(self.model, self.cluster, deployment_of(list(self.current.values())),
-                               deployment_of(s.replicas), planner="improved")
+            return plan_switch(model, self.cluster, deployment_of(list(self.current.values())),
+                               deployment_of(s.replicas), planner="improved",
+                               config=SwitchConfig(remap=not self.config.live_transfer))
         except OServeError as exc:
             log.warning("switch planner: no transfer plan for %s: %s", s.strategy_id, exc)
             return None
+
+    def _live_session(self, s: StrategyChosen, plan: SwitchPlan, start: list[ReplicaSpec]):
+        """The rendezvous of a live switch: its store (served here), each endpoint's job in it, and the
+        `WeightSession` of each new replica and of each serving replica that sends. None when the plan cannot
+        be made into one (the new replicas then load their weights themselves), said in a warning."""
+        from oserve.switch.transport import SessionStore
+
+        model = self.served_model or self.model
+        assert model is not None
+        try:
+            wire = wire_plan(model, plan, chunk_bytes=self.config.chunk_bytes,
+                             starting=frozenset(r.replica_id for r in start))
+        except OServeError as exc:
+            log.warning("switch planner: no live transfer for %s (%s); the new replicas load their weights", s.strategy_id,
+                        exc)
+            return None
+        session = SessionStore(f"{s.strategy_id}-{len(self.events)}".replace("/", "_")[:100],
+                               host=self.config.rendezvous_host, timeout_s=self.config.transfer_timeout_s)
+        jobs = {k: wire.job(k) for k in wire.endpoints}
+        session.put_jobs(jobs)
+        rv = session.rendezvous
+
+        def weights(rid: str, sending: bool) -> WeightSession:
+            keys = list(wire.endpoints_of(rid))
+            num = sum(jobs[k].send_bytes if sending else jobs[k].receive_bytes for k in keys)
+            return WeightSession(session_id=rv.session_id, host=rv.host, port=rv.port, timeout_s=rv.timeout_s,
+                                 endpoints=keys, num_bytes=num)
+        senders = sorted({wire.endpoints[op.src].replica_id for op in wire.ops
+                          if wire.endpoints[op.src].side == "source"})
+        return session, {r.replica_id: weights(r.replica_id, False) for r in start}, \
+            {rid: weights(rid, True) for rid in senders}
 
     async def _command(self, spec_or_id, cmd, headers) -> None:
         host = self.host_of(spec_or_id) if isinstance(spec_or_id, ReplicaSpec) else \
@@ -216,6 +285,7 @@ class SwitchPlannerWorker(Worker):
                                                                              message_id=s.strategy_id)})
         hdr = inject(span) if span is not None else None
         started = time.monotonic()
+        session = None  # a live transfer's rendezvous store, while the switch runs
         try:
             target = {r.replica_id: r for r in s.replicas}
             start = [r for rid, r in target.items() if rid not in self.current]
@@ -231,39 +301,63 @@ class SwitchPlannerWorker(Worker):
                 transfer_bytes=(plan.nvlink_bytes + plan.network_bytes + plan.local_bytes) if plan else 0,
                 modelled_transfer_s=plan.switch_seconds if plan else 0.0), hdr)
             if start:
+                self._switching_to = s.strategy_id
+                self._failed.clear()
+                self._received.clear()
+                sessions = (await asyncio.to_thread(self._live_session, s, plan, start)
+                            if self.config.live_transfer and plan else None)
+                if sessions is not None:
+                    session, weights_of, sources = sessions
+                    for rid, w in sources.items():  # the serving replicas send while they go on serving
+                        await self._command(rid, SendWeights(strategy_id=s.strategy_id, replica_id=rid, weights=w), hdr)
+                else:
+                    weights_of = {}
                 for r in start:
-                    await self._command(r, StartReplica(strategy_id=s.strategy_id, replica=r,
-                                                        ready_after_s=s.switch_s), hdr)
+                    await self._command(r, StartReplica(strategy_id=s.strategy_id, replica=r, ready_after_s=s.switch_s,
+                                                        weights=weights_of.get(r.replica_id)), hdr)
                 need = {r.replica_id for r in start}
                 timeout = self.clock.to_wall_s(s.switch_s) + self.config.ready_slack_wall_s
 
                 async def all_ready() -> None:
-                    while not need <= self._ready:
+                    while not need <= self._ready and not self._failed:
                         self._ready_changed.clear()
                         await self._ready_changed.wait()
                 try:
                     await asyncio.wait_for(all_ready(), timeout)
                 except TimeoutError:
+                    pass
+                if not need <= self._ready:
+                    if session is not None:
+                        session.abort("rolled back")
                     for r in start:  # roll back: the old deployment never stopped serving
                         await self._command(r, DrainReplica(strategy_id=s.strategy_id, replica_id=r.replica_id), hdr)
-                    missing = sorted(need - self._ready)
-                    await self._publish_switch(SwitchRolledBack(
-                        strategy_id=s.strategy_id, reason=f"replicas not ready after {timeout:.1f} s: {missing}"), hdr)
+                    reason = ("; ".join(f"{rid}: {why}" for rid, why in sorted(self._failed.items())) if self._failed
+                              else f"replicas not ready after {timeout:.1f} s: {sorted(need - self._ready)}")
+                    await self._publish_switch(SwitchRolledBack(strategy_id=s.strategy_id, reason=reason), hdr)
                     if self.metrics is not None:
                         self.metrics.switch_done("rolled_back", time.monotonic() - started)
                     return False
             # every new replica serves: flip the router, then retire the old ones
             await self._flip(s, hdr)
             for rid in retire:
-                await self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid), hdr)
+                await self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid,
+                                                      migrate_after_s=self.config.migrate_after_wall_s), hdr)
             self.current = target
             self.strategy_id = s.strategy_id
             took_wall_s = time.monotonic() - started
-            await self._publish_switch(SwitchCompleted(strategy_id=s.strategy_id, switch_wall_s=took_wall_s), hdr)
+            got = [self._received[r.replica_id] for r in start if r.replica_id in self._received]
+            await self._publish_switch(SwitchCompleted(
+                strategy_id=s.strategy_id, switch_wall_s=took_wall_s, moved_bytes=sum(e.num_bytes for e in got),
+                engine_start_wall_s=max((e.engine_start_wall_s for e in got), default=0.0),
+                transfer_wall_s=max((e.transfer_wall_s for e in got), default=0.0),
+                install_wall_s=max((e.install_wall_s for e in got), default=0.0)), hdr)
             if self.metrics is not None:
                 self.metrics.switch_done("completed", took_wall_s)
                 self.metrics.deployment_serving((r.tp, r.pp) for r in target.values())
             return True
         finally:
+            self._switching_to = None
+            if session is not None:
+                session.close()
             if span is not None:
                 span.end()

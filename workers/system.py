@@ -45,7 +45,7 @@ from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 from oserve.workers.gateway import Gateway, GatewayConfig
 from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
 from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
-from oserve.workers.vllm_backend import VllmBackendConfig
+from oserve.workers.vllm_backend import VllmBackendConfig, served_model_spec
 
 ENGINES = ("sim", "vllm")
 """What the engine host runs: simulated replicas timed by the performance model, or real vLLM engines."""
@@ -106,6 +106,10 @@ class SystemConfig:
     as its prior, and learns what the real engines serve (`SelfCorrectingPlanner`)."""
     vllm: VllmBackendConfig = field(default_factory=VllmBackendConfig)
     """The vLLM engines: model folder (empty: the shipped small Llama), context window, KV cache."""
+    migrate_after_wall_s: float | None = 2.0
+    """With real engines, a replica a switch retires finishes its requests in place for this long (wall
+    seconds), then hands the rest over to the new replicas with what they generated (re-prefilled there);
+    None: every request finishes in place. Simulated engines always finish in place."""
     js_replicas: int = 1
     """Copies of each JetStream stream and bucket (`StreamLimits.num_replicas`): 1 on one NATS server, 3 on
     the 3-node cluster of `deploy/k8s`."""
@@ -143,6 +147,8 @@ class SystemConfig:
             raise ConfigError(f"SystemConfig.js_replicas must be in 1..5, got {self.js_replicas}")
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"SystemConfig.http_port must be in 0..65535, got {self.http_port}")
+        if self.migrate_after_wall_s is not None and not self.migrate_after_wall_s >= 0:
+            raise ConfigError(f"SystemConfig.migrate_after_wall_s must be >= 0 or None, got {self.migrate_after_wall_s}")
         if self.history_minutes is not None and not self.history_minutes > 0:
             raise ConfigError(f"SystemConfig.history_minutes must be > 0, got {self.history_minutes}")
 
@@ -271,12 +277,14 @@ class LiveSystem:
                                    metrics=metrics)
             await self.gateway.start()
         if "switch-planner" in w:
-            slack = {"ready_slack_wall_s": VLLM_START_SLACK_WALL_S,
-                     "restart_after_wall_s": cfg.heartbeat_timeout_wall_s} if cfg.engine == "vllm" else {}
+            live = {"ready_slack_wall_s": VLLM_START_SLACK_WALL_S, "restart_after_wall_s": cfg.heartbeat_timeout_wall_s,
+                    "live_transfer": True, "migrate_after_wall_s": cfg.migrate_after_wall_s} \
+                if cfg.engine == "vllm" else {}
             self.switcher = SwitchPlannerWorker(nc, SwitchPlannerConfig(subjects=cfg.subjects, gpus_per_node=gpn,
-                                                                        **slack),
+                                                                        **live),
                                                 clock, tracer=tracer("switch-planner"), kv=kv, model=ctx.model,
-                                                cluster=ctx.cluster, metrics=metrics)
+                                                cluster=ctx.cluster, metrics=metrics,
+                                                served_model=served_model_spec(cfg.vllm) if cfg.engine == "vllm" else None)
             await self.switcher.start()
         if "forecaster" in w:
             prior = self.inputs.prior

@@ -39,15 +39,22 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from oserve.errors import ConfigError
 from oserve.workers.backends import Finished, Job, Load
-from oserve.workers.tinymodel import TINY_MODEL, HashTokenizer, has_tokenizer, materialize
+from oserve.specs import ModelSpec, hf_model_spec
+from oserve.workers.tinymodel import TINY_MODEL, HashTokenizer, has_tokenizer, materialize, tiny_config
+
+if TYPE_CHECKING:
+    from oserve.switch.wire import Rendezvous
 
 log = logging.getLogger(__name__)
+
+SWITCH_EXTENSION = "oserve.workers.vllm_weights.SwitchExtension"
+"""Every engine's ranks can send and receive weight shards in a switch (`oserve.workers.vllm_weights`)."""
 
 _START_LOCK = threading.Lock()
 """Engines start one at a time: the CPU settings reach the engine's processes through the environment."""
@@ -79,6 +86,13 @@ class VllmBackendConfig:
     cpu_bind: str = ""
     """CPU: the cores of each rank as vLLM takes them (`VLLM_CPU_OMP_THREADS_BIND`, e.g. "0|1"); overrides
     `devices`."""
+    dtype: str = "bfloat16"
+    """The engine's weights and activations (vLLM's `dtype`): `bfloat16`, `float16` or `float32`. Greedy answers
+    of TP1 and TP2 replicas agree token for token in float32 here; in bfloat16 they part after tens of tokens
+    (TP2 adds two rounded partial sums where TP1 rounds once), with or without a switch."""
+    dummy_weights: bool = False
+    """Start without reading weights (`load_format="dummy"`): the replica receives its shards from the engines
+    that hold them in a switch (`run_switch_job`, then `install_weights`) before it serves."""
     enforce_eager: bool = True
     """No graph capture or compilation: starts in seconds rather than minutes on a CPU."""
     sampling_seed: int = 0
@@ -95,6 +109,8 @@ class VllmBackendConfig:
             raise ConfigError(f"VllmBackendConfig: kv_cache_gib must be a whole number >= 1 and gpu_memory_utilization "
                               f"in (0, 1], "
                               f"got {self.kv_cache_gib} and {self.gpu_memory_utilization}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"VllmBackendConfig.dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.model_path and not (Path(self.model_path) / "config.json").exists():
             raise ConfigError(f"VllmBackendConfig.model_path: {self.model_path!r} is not a model folder "
                               f"(no config.json there)")
@@ -102,6 +118,18 @@ class VllmBackendConfig:
     @property
     def model_name(self) -> str:
         return Path(self.model_path).name if self.model_path else TINY_MODEL
+
+
+def served_model_spec(config: VllmBackendConfig) -> ModelSpec:
+    """The `ModelSpec` of the model the engines serve (its folder's `config.json`, or the shipped model's), as
+    the engines hold it (`VllmBackendConfig.dtype`): what a live switch's transfer plan cuts. Pure but for reading
+    the file.
+
+    Raises:
+        ConfigError: not a Llama-architecture model (`oserve.specs.hf_model_spec`).
+    """
+    hf = json.loads((Path(config.model_path) / "config.json").read_text()) if config.model_path else tiny_config()
+    return hf_model_spec(hf, config.model_name, dtype=config.dtype)
 
 
 def preload() -> None:
@@ -182,6 +210,22 @@ def _logger_factory(stats: _Stats):
     return _Recorder
 
 
+@dataclass(frozen=True, slots=True)
+class SwitchJobOutcome:
+    """What an engine's ranks did in a switch (`VllmBackend.run_switch_job`)."""
+
+    verified: bool
+    """Every rank finished its ops and every byte it received matched its sender's checksum."""
+    wall_s: float = 0.0
+    """From the call to the last rank's end, as this host saw it (waiting for peers included)."""
+    transfer_s: float = 0.0
+    """The slowest rank's time from its first op to its last (its pair groups' setup included)."""
+    setup_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    errors: tuple[str, ...] = ()
+
+
 class EngineDied(RuntimeError):
     """The vLLM engine's core process died: the engine worker's step loop stops on it (`Worker.failure`)."""
 
@@ -249,8 +293,9 @@ class VllmBackend:
         if not tokenizer:
             self.tokenizer = self._ids
         ranks = cfg.tp * cfg.pp
-        args = AsyncEngineArgs(model=str(folder), load_format="safetensors", skip_tokenizer_init=not tokenizer,
-                               dtype="bfloat16", max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        args = AsyncEngineArgs(model=str(folder), load_format="dummy" if cfg.dummy_weights else "safetensors",
+                               skip_tokenizer_init=not tokenizer, worker_extension_cls=SWITCH_EXTENSION,
+                               dtype=cfg.dtype, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                                tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp,
                                distributed_executor_backend="mp" if ranks > 1 else None,
                                enforce_eager=cfg.enforce_eager, disable_log_stats=True, seed=cfg.sampling_seed,
@@ -299,14 +344,73 @@ class VllmBackend:
             del engine
             gc.collect()  # its output handler holds it in a cycle: collected now, not at the interpreter's exit
 
+    # --- switches: weights moved between engines --------------------------------------------------
+
+    async def run_switch_job(self, rendezvous: Rendezvous, keys: tuple[str, ...], *, bind_host: str = "127.0.0.1",
+                             poll_wall_s: float = 0.1) -> SwitchJobOutcome:
+        """This engine's part of a switch: each rank runs its endpoint's job (`keys[rank]`) on a thread of its
+        own (a serving engine keeps serving), polled until every rank is done. Never raises: the outcome says
+        what failed (the engine dying included)."""
+        if self.engine is None:
+            return SwitchJobOutcome(False, errors=("the vLLM engine is not running",))
+        started = time.monotonic()
+        try:
+            await self.engine.collective_rpc("oserve_switch_begin", args=(asdict(rendezvous), list(keys), bind_host))
+            deadline = started + rendezvous.timeout_s + 10.0
+            while True:
+                statuses = await self.engine.collective_rpc("oserve_switch_status")
+                if all(s.get("state") == "done" for s in statuses):
+                    break
+                if time.monotonic() > deadline:
+                    await self.cancel_switch_job()
+                    return SwitchJobOutcome(False, wall_s=time.monotonic() - started,
+                                            errors=(f"no answer from the ranks within {rendezvous.timeout_s:g} s",))
+                await asyncio.sleep(poll_wall_s)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.cancel_switch_job())
+            raise
+        except Exception as exc:  # the engine died, or refused the call
+            return SwitchJobOutcome(False, wall_s=time.monotonic() - started, errors=(f"{type(exc).__name__}: {exc}",))
+        return SwitchJobOutcome(
+            verified=all(s["verified"] for s in statuses), wall_s=time.monotonic() - started,
+            transfer_s=max(s["seconds"] for s in statuses), setup_s=max(s["setup_seconds"] for s in statuses),
+            bytes_sent=sum(s["bytes_sent"] for s in statuses), bytes_received=sum(s["bytes_received"] for s in statuses),
+            errors=tuple(s["error"] for s in statuses if s["error"]))
+
+    async def cancel_switch_job(self) -> None:
+        """Stop this engine's part of a switch between two ops (best effort)."""
+        if self.engine is not None:
+            try:
+                await self.engine.collective_rpc("oserve_switch_cancel")
+            except Exception:  # the engine is gone: so is its part
+                log.debug("%s: could not cancel the switch job", self.replica_id, exc_info=True)
+
+    async def install_weights(self) -> float:
+        """Put the weights a verified switch job received in force on every rank; returns the wall seconds."""
+        t0 = time.monotonic()
+        await self.engine.collective_rpc("oserve_switch_install")
+        return time.monotonic() - t0
+
+    async def weight_checksums(self) -> list[dict[str, str]]:
+        """Per rank, the SHA-256 of each parameter shard it holds (`SwitchExtension.oserve_weight_checksums`)."""
+        return await self.engine.collective_rpc("oserve_weight_checksums")
+
     # --- the Backend interface ---------------------------------------------------------------------
 
     def add(self, job: Job, now_s: float) -> list[Finished]:
         if self.engine is None:
             return [Finished(job.seq, 0, math.nan, math.nan, "the vLLM engine is not running")]
         run = self._runs[job.seq] = _Run(job)
+        if job.resumed_tokens:  # migrated here in a switch: its answer so far is this answer's start
+            run.tokens = list(job.resumed_ids)
+            run.text, run.chars = [job.resumed_text], len(job.resumed_text)
+            run.bounds = [(0, 0), (len(run.tokens), run.chars)]
         run.task = asyncio.get_running_loop().create_task(self._generate(run), name=f"vllm-{job.request_id}")
         return []
+
+    def token_ids(self, seq: int) -> list[int]:
+        run = self._runs.get(seq)
+        return [] if run is None else list(run.tokens)
 
     def _request(self, job: Job):
         from vllm import SamplingParams
@@ -327,6 +431,10 @@ class VllmBackend:
             prompt = {"prompt_token_ids": self.tokenizer.encode(job.prompt) or [1]}
         else:
             prompt = job.prompt
+        if job.resumed_ids:  # migrated: prefill the prompt plus the answer so far, generate the rest
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.engine.get_tokenizer().encode(prompt)
+            prompt = {"prompt_token_ids": list(ids) + list(job.resumed_ids)}
+            params.max_tokens = max(1, max_tokens - len(job.resumed_ids))
         return prompt, params
 
     async def _generate(self, run: _Run) -> None:

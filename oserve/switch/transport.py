@@ -40,7 +40,7 @@ import torch
 from oserve.errors import ConfigError, OServeError
 from oserve.switch.intervals import IntervalSet, length, offset_of, union
 from oserve.switch.layout import TensorSpec
-from oserve.switch.wire import EndpointJob, JobOp, WirePiece
+from oserve.switch.wire import EndpointJob, JobOp, Rendezvous, WirePiece
 
 TensorOf = Callable[[str], torch.Tensor]
 """The local shard of a weight tensor, by name, as the engine holds it (a view into its memory)."""
@@ -48,32 +48,6 @@ TensorOf = Callable[[str], torch.Tensor]
 
 class TransferError(OServeError):
     """An endpoint could not do its part of a switch (the message says which op and why)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Rendezvous:
-    """Where a session's processes meet, and how long any wait may take."""
-
-    session_id: str
-    host: str
-    port: int
-    timeout_s: float = 600.0
-    """Deadline of every wait: the store, a group's setup, each op."""
-
-    def __post_init__(self) -> None:
-        if not self.session_id or "/" in self.session_id or not 0 < self.port < 65536 or not self.timeout_s > 0:
-            raise ConfigError(f"Rendezvous: need a session id without '/', a port and a timeout > 0, got {self}")
-
-    @property
-    def prefix(self) -> str:
-        return f"oserve/{self.session_id}/"
-
-    def connect(self) -> torch.distributed.Store:
-        """A client of the session's store, under its prefix."""
-        from torch.distributed import PrefixStore, TCPStore
-
-        store = TCPStore(self.host, self.port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
-        return PrefixStore(self.prefix, store)
 
 
 class SessionStore:

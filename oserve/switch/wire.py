@@ -27,6 +27,7 @@ without the rest of the plan (`oserve.switch.transport` runs it).
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections import defaultdict
 from collections.abc import Mapping
@@ -197,6 +198,32 @@ class EndpointJob:
         return job
 
 
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where a session's processes meet, and how long any wait may take."""
+
+    session_id: str
+    host: str
+    port: int
+    timeout_s: float = 600.0
+    """Deadline of every wait: the store, a group's setup, each op."""
+
+    def __post_init__(self) -> None:
+        if not self.session_id or "/" in self.session_id or not 0 < self.port < 65536 or not self.timeout_s > 0:
+            raise ConfigError(f"Rendezvous: need a session id without '/', a port and a timeout > 0, got {self}")
+
+    @property
+    def prefix(self) -> str:
+        return f"oserve/{self.session_id}/"
+
+    def connect(self):
+        """A client of the session's store, under its prefix (a `torch.distributed.Store`; imports torch)."""
+        from torch.distributed import PrefixStore, TCPStore
+
+        store = TCPStore(self.host, self.port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+        return PrefixStore(self.prefix, store)
+
+
 def _endpoints(model: ModelSpec, plan: SwitchPlan, starting: frozenset[str]) -> tuple[dict[int, Endpoint],
                                                                                        dict[int, Endpoint]]:
     """gpu -> source endpoint, gpu -> target endpoint (of the replicas that start)."""
@@ -343,5 +370,5 @@ def summarize(plan: WirePlan) -> WireSummary:
     return WireSummary(len(plan.ops), plan.num_bytes, MappingProxyType(plan.bytes_by_link()))
 
 
-__all__ = ["Endpoint", "EndpointJob", "JobOp", "WireOp", "WirePiece", "WirePlan", "WireSummary", "received_lines",
+__all__ = ["Endpoint", "EndpointJob", "JobOp", "Rendezvous", "WireOp", "WirePiece", "WirePlan", "WireSummary", "received_lines",
            "summarize", "wire_plan", "wire_problems"]
