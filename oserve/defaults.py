@@ -16,6 +16,13 @@ ENGINE_START_S = 8.0
 allocation, CUDA-graph capture. The paper measures about 10 s for a whole GPU-to-GPU switch, of which
 the weight copy over NVLink is the smaller part; a reload adds reading the weights from disk."""
 
+VLLM_CPU_ENGINE_START_S = 30.0
+"""Starting a vLLM engine of the shipped small Llama on this kind of 2-core CPU host, weights not read
+(`load_format="dummy"`): process spawn, imports, model build, memory profiling, KV allocation. Measured
+with `oserve bench switch --live` and in live switches: TP1 22-31 s, TP2 26-65 s (the slower ones
+while two other engines served on the same cores). A live system with real engines prices its
+switches with it (`SystemConfig.engine_start_s`); `ENGINE_START_S` stays the H100 figure."""
+
 MIGRATE_MIN_CONTEXT_TOKENS = 512
 """On a switch, a running request with at least this much context moves with its KV cache; a shorter
 one drains on its old replica (most finish while the switch runs) or is recomputed on a new one.

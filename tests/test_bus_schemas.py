@@ -21,7 +21,9 @@ GOLDEN = Path(__file__).parent / "data" / "bus"
 KINDS = {"submit": sc.SubmitRequest, "dispatch": sc.Dispatch, "reply": sc.Reply, "error": sc.ErrorReply,
          "arrived": sc.Arrived, "completed": sc.Completed, "heartbeat": sc.Heartbeat, "telemetry": sc.Telemetry,
          "assignment": sc.AssignmentSet, "reply_chunk": sc.ReplyChunk, "cancel": sc.CancelRequest,
-         "abort": sc.AbortRequest}
+         "abort": sc.AbortRequest, "start_replica": sc.StartReplica, "send_weights": sc.SendWeights,
+         "weights_received": sc.WeightsReceived, "drain_replica": sc.DrainReplica,
+         "switch_completed": sc.SwitchCompleted}
 
 
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.name)

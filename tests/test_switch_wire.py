@@ -95,14 +95,16 @@ def _full(spec) -> torch.Tensor:
     return full_tensor(spec, SEED)
 
 
-def _endpoint(rendezvous, key: str, corrupt_op: int | None, out) -> None:  # pragma: no cover - a child process
-    """One engine process: sources hold their seeded shards, targets NaN; run the job; report bit-exactness."""
+def _endpoint(rendezvous, key: str, corrupt_op: int | None, out, cuda: bool = False) -> None:  # pragma: no cover
+    """One engine process (a child): sources hold their seeded shards, targets NaN; run the job; report
+    bit-exactness. `cuda`: the shards live on CUDA device `gpu % devices`, as an engine's do."""
     from oserve.switch.executor import take_lines
     from oserve.switch.transport import as_2d, fetch_job, run_job
 
     torch.set_num_threads(1)
     store = rendezvous.connect()
     job = fetch_job(store, key)
+    device = torch.device("cuda", job.gpu % torch.cuda.device_count()) if cuda else torch.device("cpu")
     shards = {}
     for name, lines in job.holds.items():
         spec = job.tensors[name]
@@ -112,8 +114,11 @@ def _endpoint(rendezvous, key: str, corrupt_op: int | None, out) -> None:  # pra
             from oserve.switch.transport import local_shape
 
             shards[name] = torch.full(local_shape(spec, lines), float("nan"), dtype=torch.float16)
+    shards = {n: t.to(device) for n, t in shards.items()}
     before = {n: t.clone() for n, t in shards.items()}
-    res = run_job(job, shards.__getitem__, store, timeout_s=rendezvous.timeout_s, corrupt_op=corrupt_op)
+    res = run_job(job, shards.__getitem__, store, device=device, timeout_s=rendezvous.timeout_s, corrupt_op=corrupt_op)
+    shards = {n: t.cpu() for n, t in shards.items()}
+    before = {n: t.cpu() for n, t in before.items()}
     exact = all(torch.equal(as_2d(t, job.tensors[n], job.holds[n]).view(torch.int16),
                             take_lines(_full(job.tensors[n]), job.tensors[n], job.holds[n]).view(torch.int16))
                 for n, t in shards.items()) if job.side == "target" else \
@@ -121,7 +126,7 @@ def _endpoint(rendezvous, key: str, corrupt_op: int | None, out) -> None:  # pra
     out.put((key, res.to_dict(), exact))
 
 
-def _run(model, plan, starting, corrupt_op=None, kill=None, timeout_s=30.0):
+def _run(model, plan, starting, corrupt_op=None, kill=None, timeout_s=30.0, cuda=False):
     from oserve.switch.transport import SessionStore
 
     wire = wire_plan(model, plan, chunk_bytes=1 << 14, starting=starting)
@@ -130,7 +135,7 @@ def _run(model, plan, starting, corrupt_op=None, kill=None, timeout_s=30.0):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "oserve.switch.transport"])
     out = ctx.Queue()
-    procs = {k: ctx.Process(target=_endpoint, args=(session.rendezvous, k, corrupt_op, out), daemon=True)
+    procs = {k: ctx.Process(target=_endpoint, args=(session.rendezvous, k, corrupt_op, out, cuda), daemon=True)
              for k in wire.endpoints if k != kill}
     for p in procs.values():
         p.start()
@@ -194,3 +199,31 @@ def test_a_missing_peer_fails_the_job_within_its_timeout():
         for p in op.pieces:
             got[p.tensor] = iv.union(got[p.tensor], ((p.lo, p.hi),))
     assert got  # the job had something to receive
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs: NCCL between two devices (none here)")
+def test_the_same_transport_over_nccl_between_two_gpus():
+    """A TP1 replica on GPU 0 becomes a TP2 replica on GPUs 0 and 1: rank 1's shard goes from GPU 0 to GPU 1 over
+    NCCL, rank 0's stays on GPU 0 and goes over gloo through host memory (NCCL refuses two ranks on one device)."""
+    source = Deployment((Replica("a", ReplicaShape(1), (0,)),))
+    target = Deployment((Replica("t", ReplicaShape(2), (0, 1)),))
+    plan = plan_switch(TINY, CLUSTER, source, target, planner="greedy", config=CONFIG)
+    wire, results = _run(TINY, plan, frozenset({"t"}), cuda=True)
+    assert {"local", "nvlink"} <= set(wire.bytes_by_link())
+    assert all(res["verified"] and exact for res, exact in results.values()), results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU: two processes on one device over gloo (none here)")
+def test_two_processes_on_one_gpu_move_through_host_memory():
+    source = Deployment((Replica("a", ReplicaShape(1), (0,)),))
+    target = Deployment((Replica("t", ReplicaShape(1), (0,)),))
+    plan = plan_switch(TINY, CLUSTER, source, target, config=CONFIG)
+    wire, results = _run(TINY, plan, frozenset({"t"}), cuda=True)
+    assert set(wire.bytes_by_link()) == {"local"}
+    assert all(res["verified"] and exact for res, exact in results.values()), results

@@ -22,6 +22,13 @@
   forgets them too.
 - `stop()` is as good as a crash (the gateway re-dispatches); `fail_inflight()` after it answers what
   was left with `shutting_down` errors instead (an engine host's orderly stop).
+- Migration in a switch (`drain_migrating`): a retiring replica finishes requests in place for
+  `DrainReplica.migrate_after_s`, then hands over what still runs: each request leaves the backend (its KV
+  freed), its client first gets every token generated so far, and `Completed.migrated` carries the token
+  ids, the text and what the client was sent; the gateway dispatches it to a new replica with
+  `Dispatch.resume`, which prefills the prompt plus those tokens, generates the rest and streams on from
+  where the client stands. The answer comes once, from the new replica; with greedy sampling on replicas
+  that compute alike it is token for token the answer without a switch (`tests/test_live_switch.py`).
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`, with the load and the backend's cumulative
   busy and saturated seconds (what the scheduler learns capacity from); load and latency as `Telemetry`
   every `telemetry_interval_s` of clock time.

@@ -32,6 +32,13 @@ from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 from oserve.workers.vllm_backend import VllmBackend, VllmBackendConfig, preload
 
 log = logging.getLogger(__name__)
+SEND_REPORT_WAIT_WALL_S = 5.0
+"""A replica retired by the switch it sent weights for is stopped once its part is reported (`WeightsSent`),
+or after this long: the new replicas verified every byte before the switch retired it, so only the report is
+left (its ranks are polled once a second)."""
+RETIRE_WAIT_WALL_S = 60.0
+"""A start of a replica id whose earlier engine is still draining waits for it, this long at most (its drain
+times out after `EngineWorkerConfig.drain_timeout_wall_s`, 30 s, then its engine stops)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,7 @@ class EngineHost(Worker):
         self._retiring: dict[str, EngineWorker] = {}  # replica_id -> engine being drained on command
         self._starting: set[str] = set()
         self._cancelled_starts: set[str] = set()  # replica ids drained while starting; honoured after the sleep
+        self._sending: dict[str, asyncio.Task] = {}  # replica_id -> its `SendWeights` in progress
         self._queue: asyncio.Queue[tuple[StartReplica | DrainReplica, dict | None]] = asyncio.Queue()
 
     async def start(self) -> None:
@@ -121,7 +129,7 @@ class EngineHost(Worker):
         assert w is not None
         rid = cmd.replica.replica_id
         outcome = await backend.run_switch_job(Rendezvous(w.session_id, w.host, w.port, w.timeout_s),
-                                               tuple(w.endpoints), bind_host=self.config.transfer_host)
+                                               tuple(w.endpoints), bind_host=self.config.transfer_host, serving=False)
         install_s = 0.0
         error = "; ".join(outcome.errors)
         if outcome.verified:
@@ -156,14 +164,24 @@ class EngineHost(Worker):
             await self._publish(WeightsSent(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id, verified=False,
                                             error=error), headers)
             return
-        outcome = await backend.run_switch_job(Rendezvous(w.session_id, w.host, w.port, w.timeout_s),
-                                               tuple(w.endpoints), bind_host=self.config.transfer_host)
+        self._sending[cmd.replica_id] = asyncio.current_task()  # type: ignore[assignment]
+        try:
+            outcome = await backend.run_switch_job(Rendezvous(w.session_id, w.host, w.port, w.timeout_s),
+                                                   tuple(w.endpoints), bind_host=self.config.transfer_host)
+        finally:
+            self._sending.pop(cmd.replica_id, None)
         await self._publish(WeightsSent(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id,
                                         verified=outcome.verified, num_bytes=outcome.bytes_sent, wall_s=outcome.wall_s,
                                         error="; ".join(outcome.errors)), headers)
 
     async def _start_replica(self, cmd: StartReplica, headers) -> None:
         rid = cmd.replica.replica_id
+        waited = 0.0
+        while rid in self._retiring:  # the same id is still draining: two engines on one subject would both serve
+            if waited > RETIRE_WAIT_WALL_S:
+                raise RuntimeError(f"replica {rid} is still draining after {waited:.0f} s; not started again")
+            await asyncio.sleep(0.1)
+            waited += 0.1
         dead = self.engines.get(rid)
         if dead is not None and not dead.running:  # its loop failed (`Worker.failure`): start it anew
             log.warning("%s: replica %s had stopped (%r); starting it again", self.config.host_id, rid, dead.failure)
@@ -222,6 +240,9 @@ class EngineHost(Worker):
             return
         self._retiring[cmd.replica_id] = engine  # the host's own drain and stop still see it
         await engine.drain_migrating(cmd.migrate_after_s)
+        sending = self._sending.get(cmd.replica_id)
+        if sending is not None:  # its part of the switch that retires it: sent already, reported shortly
+            await asyncio.wait([sending], timeout=SEND_REPORT_WAIT_WALL_S)
         await _stop_engine(engine)
         self._retiring.pop(cmd.replica_id, None)  # not on cancellation: the host's stop stops it
         await self.nc.publish(self.config.subjects.plan_event("replica"),

@@ -45,7 +45,7 @@ from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 from oserve.workers.gateway import Gateway, GatewayConfig
 from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
 from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
-from oserve.workers.vllm_backend import VllmBackendConfig, served_model_spec
+from oserve.workers.vllm_backend import VllmBackendConfig, engine_start_estimate_s, served_model_spec
 
 ENGINES = ("sim", "vllm")
 """What the engine host runs: simulated replicas timed by the performance model, or real vLLM engines."""
@@ -97,8 +97,10 @@ class SystemConfig:
     training; with 8 the demo's LSTM (10 minutes of history) first trains after 6 live spans."""
     lstm_retrain_every_spans: int = 5
     """The live LSTM is fine-tuned (on a thread) every this many spans, on all it has counted."""
-    engine_start_s: float = ENGINE_START_S
-    """Modelled engine start time of a switched-in replica, on top of its weight transfer (clock s)."""
+    engine_start_s: float | None = None
+    """Engine start time of a switched-in replica, on top of its weight transfer (clock s), as the planner prices a
+    switch; None: `ENGINE_START_S` (an H100) for simulated engines, and for real ones what they take here
+    (`oserve.workers.vllm_backend.engine_start_estimate_s`: the measured CPU figure on a CPU host)."""
     heartbeat_interval_wall_s: float = 0.5
     engine: str = "sim"
     """`sim`: simulated engines (the model preset on the simulated GPUs); `vllm`: a real vLLM engine per
@@ -131,7 +133,7 @@ class SystemConfig:
                               f"{self.gpus}, {self.num_types}, {self.span_s}, {self.speedup}")
         if not 0 <= self.fewer_replicas_slack < 1:
             raise ConfigError(f"SystemConfig.fewer_replicas_slack must be in [0, 1), got {self.fewer_replicas_slack}")
-        if self.engine_start_s < 0 or self.heartbeat_interval_wall_s <= 0:
+        if (self.engine_start_s is not None and self.engine_start_s < 0) or self.heartbeat_interval_wall_s <= 0:
             raise ConfigError(f"SystemConfig: engine_start_s must be >= 0 and heartbeat_interval_wall_s > 0, got "
                               f"{self.engine_start_s}, {self.heartbeat_interval_wall_s}")
         if self.forecaster not in ("lstm", "last_value"):
@@ -209,7 +211,10 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     cluster = cluster_for_gpus(config.gpus, config.gpu)
     prior = fit_prior(history, model, cluster, span_s=config.span_s, k=config.num_types,
                       duration_s=config.history_minutes * 60.0 if config.history_minutes else None)
-    ctx = PlanningContext(model, cluster, prior.table, SwitchCosts(engine_start_s=config.engine_start_s))
+    start_s = config.engine_start_s
+    if start_s is None:
+        start_s = engine_start_estimate_s() if config.engine == "vllm" else ENGINE_START_S
+    ctx = PlanningContext(model, cluster, prior.table, SwitchCosts(engine_start_s=start_s))
     first = prior.counts[-1] / prior.span_s if initial_rps is None else np.asarray(initial_rps, dtype=float)
     if first.shape != (prior.types.k,) or not np.all(np.isfinite(first)) or (first < 0).any():
         raise ConfigError(f"planning_inputs: initial_rps must be {prior.types.k} rates >= 0, got {first.tolist()}")

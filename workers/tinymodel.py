@@ -40,15 +40,33 @@ FIRST_ID = 3
 """Ids below this are special (0 unk, 1 bos, 2 eos) and are never produced by the tokenizer."""
 
 
+LARGER_MODEL = "llama-200m"
+"""A second shipped config, 10.9x the parameters of `TINY_MODEL` (hidden 1,024, 12 layers, 16 heads, 8 KV heads;
+207 M parameters, 414 MB in bfloat16): what `oserve bench switch --live` measures a switch of a model too big to
+move in a blink with. Written with seeded weights as the small one is; no engine serves it by default."""
+CONFIGS = {TINY_MODEL: CONFIG_FILE, LARGER_MODEL: "llama_200m_config.json"}
+
+
 def tiny_config() -> dict:
     """The shipped config (a fresh copy)."""
     return json.loads(data_path(CONFIG_FILE).read_text())
 
 
-def default_dir(seed: int) -> Path:
-    """Where the shipped model is written: `$OSERVE_MODEL_DIR/tiny-llama-s<seed>`, else under ~/.cache/oserve."""
+def shipped_config(model: str = TINY_MODEL) -> dict:
+    """A shipped model's config (a fresh copy): `TINY_MODEL` or `LARGER_MODEL`.
+
+    Raises:
+        ConfigError: another name.
+    """
+    if model not in CONFIGS:
+        raise ConfigError(f"no shipped model {model!r}; shipped: {', '.join(CONFIGS)}")
+    return json.loads(data_path(CONFIGS[model]).read_text())
+
+
+def default_dir(seed: int, model: str = TINY_MODEL) -> Path:
+    """Where a shipped model is written: `$OSERVE_MODEL_DIR/<model>-s<seed>`, else under ~/.cache/oserve."""
     root = os.environ.get("OSERVE_MODEL_DIR") or str(Path.home() / ".cache" / "oserve" / "models")
-    return Path(root) / f"{TINY_MODEL}-s{seed}"
+    return Path(root) / f"{model}-s{seed}"
 
 
 def parameter_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -96,13 +114,14 @@ def tensor_checksum(tensor) -> str:
     return digest.hexdigest()
 
 
-def materialize(folder: Path | None = None, seed: int = 0) -> Path:
-    """Write the shipped model with weights from `seed` into `folder` (default `default_dir(seed)`) and return
-    it; a folder whose manifest records the same seed and config is reused as it is."""
+def materialize(folder: Path | None = None, seed: int = 0, model: str = TINY_MODEL) -> Path:
+    """Write a shipped model (`TINY_MODEL` unless `model` says `LARGER_MODEL`) with weights from `seed` into
+    `folder` (default `default_dir(seed, model)`) and return it; a folder whose manifest records the same seed
+    and config is reused as it is."""
     from safetensors.torch import save_file
 
-    config = tiny_config()
-    folder = Path(folder) if folder is not None else default_dir(seed)
+    config = shipped_config(model)
+    folder = Path(folder) if folder is not None else default_dir(seed, model)
     manifest_path = folder / MANIFEST
     if manifest_path.exists() and (folder / "model.safetensors").exists():
         try:
@@ -117,7 +136,7 @@ def materialize(folder: Path | None = None, seed: int = 0) -> Path:
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    manifest = {"model": TINY_MODEL, "seed": seed, "config": config,
+    manifest = {"model": model, "seed": seed, "config": config,
                 "checksums": {name: tensor_checksum(t) for name, t in sorted(tensors.items())}}
     manifest_path.write_text(json.dumps(manifest, indent=2))
     return folder

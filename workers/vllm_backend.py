@@ -132,6 +132,19 @@ def served_model_spec(config: VllmBackendConfig) -> ModelSpec:
     return hf_model_spec(hf, config.model_name, dtype=config.dtype)
 
 
+def engine_start_estimate_s() -> float:
+    """Seconds a vLLM engine takes to start here, weights not read: the measured CPU figure
+    (`oserve.defaults.VLLM_CPU_ENGINE_START_S`) when vLLM runs on a CPU, else the H100 figure the simulator uses
+    (`ENGINE_START_S`; never measured on a GPU here). Imports vLLM's platform module."""
+    from oserve.defaults import ENGINE_START_S, VLLM_CPU_ENGINE_START_S
+
+    if not vllm_available():
+        return ENGINE_START_S
+    from vllm.platforms import current_platform
+
+    return VLLM_CPU_ENGINE_START_S if current_platform.is_cpu() else ENGINE_START_S
+
+
 def preload() -> None:
     """Import vLLM (and the parts of torch it imports) on the calling thread. Call it on the main thread before
     engines start: an engine is built on a thread of its own, and two threads importing torch's compiler
@@ -347,10 +360,13 @@ class VllmBackend:
     # --- switches: weights moved between engines --------------------------------------------------
 
     async def run_switch_job(self, rendezvous: Rendezvous, keys: tuple[str, ...], *, bind_host: str = "127.0.0.1",
-                             poll_wall_s: float = 0.1) -> SwitchJobOutcome:
+                             serving: bool = True) -> SwitchJobOutcome:
         """This engine's part of a switch: each rank runs its endpoint's job (`keys[rank]`) on a thread of its
-        own (a serving engine keeps serving), polled until every rank is done. Never raises: the outcome says
-        what failed (the engine dying included)."""
+        own, until every rank is done. A `serving` engine (a source) keeps serving: its ranks are asked how far
+        they are once a second (a call goes through the engine's loop between two of its steps). An engine that
+        serves nothing yet (a new replica) waits in the call itself, 2 s at a time. Never raises: the outcome
+        says what failed (the engine dying included)."""
+        poll_wall_s, wait_s = (1.0, 0.0) if serving else (0.0, 2.0)
         if self.engine is None:
             return SwitchJobOutcome(False, errors=("the vLLM engine is not running",))
         started = time.monotonic()
@@ -358,14 +374,18 @@ class VllmBackend:
             await self.engine.collective_rpc("oserve_switch_begin", args=(asdict(rendezvous), list(keys), bind_host))
             deadline = started + rendezvous.timeout_s + 10.0
             while True:
-                statuses = await self.engine.collective_rpc("oserve_switch_status")
+                if self.engine is None:
+                    return SwitchJobOutcome(False, wall_s=time.monotonic() - started,
+                                            errors=("the engine was stopped before its part was reported",))
+                statuses = await self.engine.collective_rpc("oserve_switch_status", args=(wait_s,))
                 if all(s.get("state") == "done" for s in statuses):
                     break
                 if time.monotonic() > deadline:
                     await self.cancel_switch_job()
                     return SwitchJobOutcome(False, wall_s=time.monotonic() - started,
                                             errors=(f"no answer from the ranks within {rendezvous.timeout_s:g} s",))
-                await asyncio.sleep(poll_wall_s)
+                if poll_wall_s:
+                    await asyncio.sleep(poll_wall_s)
         except asyncio.CancelledError:
             await asyncio.shield(self.cancel_switch_job())
             raise

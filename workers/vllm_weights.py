@@ -115,10 +115,15 @@ class SwitchExtension:
                  check=lambda j: check_job(model, j))
         return bg.key
 
-    def oserve_switch_status(self) -> dict:
+    def oserve_switch_status(self, wait_s: float = 0.0) -> dict:
+        """This rank's part of the switch; with `wait_s`, first wait up to that long for it to end (the engine's
+        loop waits meanwhile: for an engine that serves nothing yet, whose polling would otherwise keep this
+        process busy)."""
         job = getattr(self, "_oserve_job", None)
         if job is None:
             return {"state": "none"}
+        if wait_s > 0 and job.thread is not None:
+            job.thread.join(wait_s)
         return job.status()
 
     def oserve_switch_cancel(self) -> None:

@@ -67,6 +67,10 @@ def demo(
                                                              "empty: the shipped small Llama, seeded weights."),
     rate: float = typer.Option(2.0, help="--engine vllm: requests per second of the scaled replay."),
     max_model_len: int = typer.Option(2048, "--max-model-len", help="--engine vllm: the engines' context window."),
+    operator_switch_s: float = typer.Option(20.0, "--operator-switch-s",
+                                            help="--engine vllm: wall seconds into the replay at which the demo asks, "
+                                                 "as an operator, for the deployment in force reshaped (a live switch "
+                                                 "that moves weights between the engines); negative: never."),
 ) -> None:
     """Run the main job: a shifting workload through the live OServe pipeline and a static deployment."""
     from oserve.errors import ConfigError
@@ -92,7 +96,8 @@ def demo(
         from oserve.cli.demo_vllm import live_vllm
 
         summary = live_vllm(model, gpus, minutes, history_minutes, rate, model_path,
-                            max_model_len, otlp_endpoint, out, view and not json_out, show=not json_out)
+                            max_model_len, otlp_endpoint, out, view and not json_out, show=not json_out,
+                            operator_switch_s=operator_switch_s if operator_switch_s >= 0 else None)
     elif simulated:
         summary = _simulated(workload, model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
@@ -246,10 +251,11 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
 
 
 async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, console: Console, *,
-                    serving_timeout_s: float = 60.0, replay_kwargs: dict | None = None):
+                    serving_timeout_s: float = 60.0, replay_kwargs: dict | None = None, during=None):
     """Start every worker, replay with the live view, drain; returns (replay result, recorded events).
     `replay_kwargs` go to `replay` (text prompts, the answers' list); real engines need a longer
-    `serving_timeout_s` to start."""
+    `serving_timeout_s` to start. `during(nc)`, when given, runs beside the replay and is awaited after it
+    (it must end by itself); every switch event is recorded (`record["switch_events"]`)."""
     import asyncio
     import contextlib
     import math
@@ -259,17 +265,19 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
 
     from oserve.streams.client import OServeClient
     from oserve.observability.live_view import LiveView
-    from oserve.streams.schemas import Completed, ForecastMade, StrategyChosen, decode
+    from oserve.streams.schemas import Completed, ForecastMade, StrategyChosen, SwitchEvent, decode
     from oserve.workers.system import LiveSystem, connect, replay
 
     subjects = config.subjects
-    record: dict[str, list] = {"forecasts": [], "strategies": [], "completions": []}
+    record: dict[str, list] = {"forecasts": [], "strategies": [], "completions": [], "switch_events": []}
 
     async def on_plan(msg) -> None:
         if msg.subject == subjects.plan_event("forecast"):
             record["forecasts"].append(decode(msg.data, ForecastMade))
         elif msg.subject == subjects.plan_event("strategy"):
             record["strategies"].append(decode(msg.data, StrategyChosen))
+        elif msg.subject == subjects.plan_event("switch"):
+            record["switch_events"].append(decode(msg.data, SwitchEvent))
 
     async def on_completed(msg) -> None:
         record["completions"].extend(decode(msg.data, Completed).items)
@@ -277,6 +285,7 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
     nc = await connect(url, f"oserve-demo-{subjects.prefix}")
     subs = [await nc.subscribe(subjects.plan_event("forecast"), cb=on_plan),
             await nc.subscribe(subjects.plan_event("strategy"), cb=on_plan),
+            await nc.subscribe(subjects.plan_event("switch"), cb=on_plan),
             await nc.subscribe(subjects.completions(), cb=on_completed)]
     live_view = LiveView(subjects)
     await live_view.attach(nc)
@@ -296,6 +305,7 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
                         else contextlib.nullcontext() as live:
                     task = asyncio.create_task(replay(client, part, speedup, timeout_s=120.0,
                                                       **(replay_kwargs or {})))
+                    beside = asyncio.create_task(during(nc)) if during is not None else None
                     while not task.done() and not stop.is_set():
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(stop.wait(), 0.5)
@@ -306,10 +316,15 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
                         # request the gateway accepted is still answered
                         console.print("oserve demo: interrupted; draining")
                         task.cancel()
+                        if beside is not None:
+                            beside.cancel()
                         with contextlib.suppress(asyncio.CancelledError):
                             await task
                         raise typer.Exit(130)
                     result = task.result()
+                    if beside is not None:
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await beside
             finally:
                 await client.close()
             if system.host is not None:  # real engines: what each took to start

@@ -24,6 +24,9 @@ VLLM_MINUTES = 2.0
 VLLM_RATE_RPS = 2.0
 VLLM_SPAN_S = 30.0
 """Planning span with real engines (wall seconds): four decisions in the default replay."""
+VLLM_OPERATOR_SWITCH_S = 20.0
+"""Wall seconds into the replay at which the demo, as an operator, asks for the deployment in force reshaped: on
+this workload the planner keeps one deployment, and the demo shows what a switch does with real engines."""
 
 
 def vllm_workload(minutes: float, history_minutes: float, rate_rps: float, max_input_tokens: int,
@@ -50,8 +53,74 @@ def vllm_workload(minutes: float, history_minutes: float, rate_rps: float, max_i
     return scaled(trace.slice_time(0.0, history_s), history_s, "azure-conv-vllm-history"), window
 
 
+def reshaped(current, gpus: int, strategy_id: str):
+    """The operator's switch of the demo: the deployment in force reshaped on the same devices, as a strategy
+    event (one TP`gpus` replica from single-device ones, else `gpus` TP1 replicas), each class's rate split evenly
+    over the new replicas. Pure."""
+    from oserve.streams.schemas import ReplicaSpec, StrategyChosen
+
+    if all(r.tp * r.pp == 1 for r in current.replicas):
+        replicas = [ReplicaSpec(replica_id=f"{strategy_id}-r0", tp=gpus, pp=1, gpu_ids=list(range(gpus)))]
+    else:
+        replicas = [ReplicaSpec(replica_id=f"{strategy_id}-r{g}", tp=1, pp=1, gpu_ids=[g]) for g in range(gpus)]
+    weights = [{r.replica_id: sum(row.values()) / len(replicas) for r in replicas} for row in current.weights]
+    return StrategyChosen(strategy_id=strategy_id, span_index=current.span_index, replicas=replicas, weights=weights,
+                          shares=[{r.replica_id: 1.0 / len(replicas) for r in replicas} for _ in weights],
+                          switch_s=current.switch_s, forecast_rps=current.forecast_rps, label="operator")
+
+
+def operator_switch(subjects, gpus: int, after_s: float, console, timeout_s: float = 600.0):
+    """`during` for `_live_run`: `after_s` wall seconds into the replay, ask for the deployment in force reshaped
+    (`reshaped`), as an operator would, publishing a strategy event where the scheduler does; then wait (at
+    most `timeout_s`) until that switch completed or rolled back. The scheduler's next decision may switch back:
+    that is the planner's own switch, and it moves real bytes too."""
+    import asyncio
+
+    from oserve.streams.schemas import StrategyChosen, SwitchCompleted, SwitchEvent, SwitchRolledBack, decode, encode
+    from oserve.streams.subjects import Subjects
+
+    async def during(nc) -> None:
+        await asyncio.sleep(after_s)
+        kv = await nc.jetstream().key_value(subjects.strategy_bucket())
+        current = decode((await kv.get(Subjects.STRATEGY_KEY)).value or b"", StrategyChosen)
+        s = reshaped(current, gpus, f"operator-{current.span_index}")
+        done = asyncio.Event()
+
+        async def on_switch(msg) -> None:
+            ev = decode(msg.data, SwitchEvent)
+            if isinstance(ev, (SwitchCompleted, SwitchRolledBack)) and ev.strategy_id == s.strategy_id:
+                done.set()
+        sub = await nc.subscribe(subjects.plan_event("switch"), cb=on_switch)
+        console.print(f"oserve demo: the operator asks for {'TP%d' % gpus if len(s.replicas) == 1 else f'{gpus} x TP1'}"
+                      " (a switch that moves the weights between the engines)")
+        await nc.publish(subjects.plan_event("strategy"), encode(s))
+        try:
+            await asyncio.wait_for(done.wait(), timeout_s)
+        except TimeoutError:
+            console.print(f"oserve demo: the operator's switch did not end within {timeout_s:g} s")
+        finally:
+            await sub.unsubscribe()
+    return during
+
+
+def switch_summary(events) -> dict:
+    """The switches of a run from its switch events: how many completed and rolled back, and per completed one
+    the bytes moved and the wall seconds of its parts. Pure."""
+    from oserve.streams.schemas import SwitchCompleted, SwitchPlanned, SwitchRolledBack
+
+    planned = {e.strategy_id: e for e in events if isinstance(e, SwitchPlanned)}
+    done = [e for e in events if isinstance(e, SwitchCompleted) and e.strategy_id in planned]
+    return {"switches_completed": len(done), "switches_rolled_back": sum(isinstance(e, SwitchRolledBack) for e in events),
+            "moved_bytes": sum(e.moved_bytes for e in done),
+            "switch_details": [{"strategy_id": e.strategy_id, "started": planned[e.strategy_id].start_ids,
+                                "retired": planned[e.strategy_id].retire_ids, "moved_bytes": e.moved_bytes,
+                                "engine_start_s": e.engine_start_wall_s, "transfer_s": e.transfer_wall_s,
+                                "install_s": e.install_wall_s, "switch_wall_s": e.switch_wall_s} for e in done]}
+
+
 def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rate_rps: float, model_path: str,
-              max_model_len: int, otlp_endpoint: str, out: Path, view: bool, show: bool) -> dict:
+              max_model_len: int, otlp_endpoint: str, out: Path, view: bool, show: bool,
+              operator_switch_s: float | None = VLLM_OPERATOR_SWITCH_S) -> dict:
     """Run the live pipeline with vLLM engines on the scaled workload; the summary `oserve demo --json` prints."""
     import asyncio
 
@@ -86,8 +155,10 @@ def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rat
     inputs = planning_inputs(config, history=history)
     answers: list = []
     with NatsServer() as server:
+        during = operator_switch(config.subjects, gpus, operator_switch_s, console) \
+            if operator_switch_s is not None and gpus > 1 else None
         result, record = asyncio.run(_live_run(server.url, config, inputs, part, 1.0, view, console,
-                                               serving_timeout_s=600.0,
+                                               serving_timeout_s=600.0, during=during,
                                                replay_kwargs={"text_prompts": True, "answers": answers}))
     _live_report({"oserve": record}, config, gpus, out)
     expected = [int(o) for o in part.output_tokens]  # a replay's ids end with the request's index
@@ -104,6 +175,7 @@ def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rat
                                            for r in answers)),
         "p50_ttft_s": float(np.median(ttft)), "p99_ttft_s": float(np.quantile(ttft, 0.99)),
         "deployments": deployments_of(record["strategies"]),
+        "operator_switch_s": operator_switch_s, **switch_summary(record["switch_events"]),
         "per_request": per_request, "traces": otlp_endpoint or str(traces_path), "report": str(out),
         "seconds": time.perf_counter() - start,
     }
@@ -117,4 +189,9 @@ def live_vllm(model: str, gpus: int, minutes: float, history_minutes: float, rat
                 f"{result['p99_s']:.2f} s, P99 TTFT {summary['p99_ttft_s']:.2f} s; engine starts "
                 + ", ".join(f"{rid} {s:.0f} s" for rid, s in sorted(result.get("engine_start_wall_s", {}).items()))
                 + f". Report: {out}/ (per-request figures in summary.json).")
+        for d in summary["switch_details"]:
+            if d["moved_bytes"]:
+                c.print(f"switch {d['strategy_id']}: {', '.join(d['started'])} received {d['moved_bytes'] / 1e6:.0f} MB "
+                        f"of weights from {', '.join(d['retired']) or 'the serving replicas'} in {d['transfer_s']:.2f} s "
+                        f"(engine start {d['engine_start_s']:.0f} s, install {d['install_s']:.2f} s)")
     return summary

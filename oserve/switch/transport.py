@@ -18,8 +18,8 @@ device its tensors live on and by the op's link, nothing else:
 - **Bytes.** An op's pieces are packed back to back into one flat buffer (each piece the lines of one
   local shard: rows, or columns copied out, as the tensor's split axis says), sent, and unpacked into the
   receiver's tensors at the pieces' offsets within its shard.
-- **Verification.** The sender publishes the BLAKE2b-128 of each op's bytes as sent; the receiver packs
-  the same pieces again from where they landed and compares. A target endpoint also checks that its
+- **Verification.** The sender publishes the checksum (CRC-32 and length) of each op's bytes as sent; the
+  receiver computes it over the same pieces where they landed and compares. A target endpoint also checks that its
   ops covered every line of its shard exactly. Nothing here installs anything: the caller does that
   only once every endpoint verified (`JobResult.verified`).
 
@@ -29,9 +29,9 @@ Imports torch (not the pure core): only engine processes, the coordinator and te
 from __future__ import annotations
 
 import datetime
-import hashlib
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -173,10 +173,17 @@ def _unpack(buf: torch.Tensor, views: list[torch.Tensor]) -> None:
         pos += n
 
 
-def checksum(buf: torch.Tensor) -> str:
-    """BLAKE2b-128 of a byte buffer's contents (copied to the host if it lives on a GPU)."""
-    data = buf.detach().to("cpu").contiguous().numpy()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+def checksum(views: list[torch.Tensor] | torch.Tensor) -> str:
+    """CRC-32 and length of the bytes of `views`, one after the other (copied to the host where they live on a
+    GPU; a strided view is copied, a contiguous one read in place). A packed buffer and the pieces it was packed
+    from give the same checksum. CRC-32 catches corruption and misplaced lines (it is what TCP and Ethernet
+    frames carry), not an adversary; here it runs at 3.8 GB/s, BLAKE2b at 0.84 GB/s."""
+    crc, n = 0, 0
+    for v in ([views] if isinstance(views, torch.Tensor) else views):
+        data = v.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        crc = zlib.crc32(data, crc)
+        n += data.nbytes
+    return f"{crc:08x}:{n}"
 
 
 def _backend_for(device: torch.device, op: JobOp) -> str:
@@ -288,7 +295,7 @@ def run_job(job: EndpointJob, tensor_of: TensorOf, store, *, device: torch.devic
                 group.recv([buf], peer, tag_of[op.index]).wait()
                 _unpack(buf, views)
                 result.bytes_received += buf.numel()
-                landed = checksum(_pack(views, wire_device))
+                landed = checksum(views)
                 sent = store.get(f"sum/{op.index}").decode()
                 if landed != sent:
                     raise TransferError(f"{job.key}: op {op.index} from {op.peer}: checksum {landed} of the bytes "
