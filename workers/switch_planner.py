@@ -304,6 +304,8 @@ class SwitchPlannerWorker(Worker):
                 self._switching_to = s.strategy_id
                 self._failed.clear()
                 self._received.clear()
+                for r in start:  # a replica started (again) is ready when it says so, not by an earlier report
+                    self._ready.discard(r.replica_id)
                 sessions = (await asyncio.to_thread(self._live_session, s, plan, start)
                             if self.config.live_transfer and plan else None)
                 if sessions is not None:

@@ -111,6 +111,8 @@ def switch_summary(events) -> dict:
     planned = {e.strategy_id: e for e in events if isinstance(e, SwitchPlanned)}
     done = [e for e in events if isinstance(e, SwitchCompleted) and e.strategy_id in planned]
     return {"switches_completed": len(done), "switches_rolled_back": sum(isinstance(e, SwitchRolledBack) for e in events),
+            "rolled_back": [{"strategy_id": e.strategy_id, "reason": e.reason} for e in events
+                            if isinstance(e, SwitchRolledBack)],
             "moved_bytes": sum(e.moved_bytes for e in done),
             "switch_details": [{"strategy_id": e.strategy_id, "started": planned[e.strategy_id].start_ids,
                                 "retired": planned[e.strategy_id].retire_ids, "moved_bytes": e.moved_bytes,
