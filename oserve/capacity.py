@@ -138,6 +138,9 @@ class CapacityTable:
     perf: PerfModel | None = None
     max_replica_gpus: int = 16
     """Largest replica considered: beyond two nodes, pipeline bubbles and network hops only cost."""
+    max_pp: int | None = None
+    """Deepest pipeline the engines run (None: no limit). vLLM 0.32's CPU build runs none (1): a PP2 engine
+    started, then died at its first step; a planner that does not know it picks shapes no engine can serve."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
     _curves: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -152,8 +155,9 @@ class CapacityTable:
 
     def shapes(self, max_gpus: int) -> tuple[ReplicaShape, ...]:
         """Valid shapes of at most `max_gpus` (and `max_replica_gpus`) GPUs, sorted by (GPUs, TP)."""
-        return valid_shapes(self.model, self.gpu, self.gpus_per_node, min(max_gpus, self.max_replica_gpus),
-                            self.memory)
+        shapes = valid_shapes(self.model, self.gpu, self.gpus_per_node, min(max_gpus, self.max_replica_gpus),
+                              self.memory)
+        return shapes if self.max_pp is None else tuple(s for s in shapes if s.pp <= self.max_pp)
 
     def rate(self, shape: ReplicaShape, type_index: int) -> float:
         """Requests per second a replica of `shape` sustains for type `type_index` (cached)."""

@@ -77,3 +77,13 @@ def test_kv_bound_long_outputs_favour_larger_replicas():
     table = CapacityTable(model_preset("llama2-70b"), H100, PAPER_TYPES)
     assert table.rate(ReplicaShape(4), 3) > 2 * table.rate(ReplicaShape(2), 3)
     assert math.isfinite(table.rate(ReplicaShape(2), 3))
+
+
+def test_a_pipeline_limit_keeps_every_deeper_shape_out_of_the_candidates():
+    """`max_pp`: the shapes a planner may pick are only those the engines run (vLLM's CPU build: no PP)."""
+    model = model_preset("llama2-7b")
+    types = FixedLengths(("a",), ((200, 300),), ((50, 60),))
+    free = CapacityTable(model, GPUS["h100-80gb"], types, gpus_per_node=2)
+    flat = CapacityTable(model, GPUS["h100-80gb"], types, gpus_per_node=2, max_pp=1)
+    assert any(s.pp > 1 for s in free.shapes(2))
+    assert flat.shapes(2) == tuple(s for s in free.shapes(2) if s.pp == 1) and flat.shapes(2)

@@ -45,7 +45,8 @@ from oserve.workers.forecaster import ForecasterConfig, ForecasterStage
 from oserve.workers.gateway import Gateway, GatewayConfig
 from oserve.workers.scheduler import SchedulerConfig, SchedulerWorker
 from oserve.workers.switch_planner import SwitchPlannerConfig, SwitchPlannerWorker
-from oserve.workers.vllm_backend import VllmBackendConfig, engine_start_estimate_s, served_model_spec
+from oserve.workers.vllm_backend import (VllmBackendConfig, engine_start_estimate_s, max_pipeline_stages,
+                                         served_model_spec)
 
 ENGINES = ("sim", "vllm")
 """What the engine host runs: simulated replicas timed by the performance model, or real vLLM engines."""
@@ -210,7 +211,8 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     model = model_preset(config.model)
     cluster = cluster_for_gpus(config.gpus, config.gpu)
     prior = fit_prior(history, model, cluster, span_s=config.span_s, k=config.num_types,
-                      duration_s=config.history_minutes * 60.0 if config.history_minutes else None)
+                      duration_s=config.history_minutes * 60.0 if config.history_minutes else None,
+                      max_pp=max_pipeline_stages() if config.engine == "vllm" else None)
     start_s = config.engine_start_s
     if start_s is None:
         start_s = engine_start_estimate_s() if config.engine == "vllm" else ENGINE_START_S

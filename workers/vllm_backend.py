@@ -145,6 +145,17 @@ def engine_start_estimate_s() -> float:
     return VLLM_CPU_ENGINE_START_S if current_platform.is_cpu() else ENGINE_START_S
 
 
+def max_pipeline_stages() -> int | None:
+    """The deepest pipeline this host's vLLM runs: 1 on a CPU (0.32's CPU build died at the first step of a PP2
+    engine, so `start` refuses PP there), None (no limit known) on CUDA or without vLLM. Imports vLLM's
+    platform module."""
+    if not vllm_available():
+        return None
+    from vllm.platforms import current_platform
+
+    return 1 if current_platform.is_cpu() else None
+
+
 def preload() -> None:
     """Import vLLM (and the parts of torch it imports) on the calling thread. Call it on the main thread before
     engines start: an engine is built on a thread of its own, and two threads importing torch's compiler

@@ -43,7 +43,7 @@ def demo(
                                      "engines are placed on: cores on a CPU host)."),
     workload: str = typer.Option("shift", help="shift (a mix that moves between short and long prompts, real "
                                                "lengths) or azure-conv (the bundled hour, unscaled)."),
-    minutes: float = typer.Option(0.0, help="Minutes of the workload to replay, after its history (0: 18, or 2 "
+    minutes: float = typer.Option(0.0, help="Minutes of the workload to replay, after its history (0: 18, or 3 "
                                             "with --engine vllm)."),
     history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes of history the planner's "
                                                                           "models are fitted on."),
@@ -67,7 +67,7 @@ def demo(
                                                              "empty: the shipped small Llama, seeded weights."),
     rate: float = typer.Option(2.0, help="--engine vllm: requests per second of the scaled replay."),
     max_model_len: int = typer.Option(2048, "--max-model-len", help="--engine vllm: the engines' context window."),
-    operator_switch_s: float = typer.Option(20.0, "--operator-switch-s",
+    operator_switch_s: float = typer.Option(10.0, "--operator-switch-s",
                                             help="--engine vllm: wall seconds into the replay at which the demo asks, "
                                                  "as an operator, for the deployment in force reshaped (a live switch "
                                                  "that moves weights between the engines); negative: never."),
@@ -83,7 +83,9 @@ def demo(
     model_preset(model)  # fail fast on bad input, before any work
     cluster_for_gpus(gpus)
     if minutes == 0:
-        minutes = 2.0 if engine == "vllm" else 18.0
+        from oserve.cli.demo_vllm import VLLM_MINUTES
+
+        minutes = VLLM_MINUTES if engine == "vllm" else 18.0
     if engine == "vllm" and (simulated or workload != "shift"):
         raise ConfigError("--engine vllm replays the scaled Azure conversation hour live; drop --simulated/--workload")
     if not minutes > 0 or not speedup > 0 or not history_minutes > 0 or not load > 0:

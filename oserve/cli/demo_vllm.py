@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-VLLM_MINUTES = 2.0
+VLLM_MINUTES = 3.0
 """The replay's default length with real engines."""
 VLLM_RATE_RPS = 2.0
 VLLM_SPAN_S = 30.0
 """Planning span with real engines (wall seconds): four decisions in the default replay."""
-VLLM_OPERATOR_SWITCH_S = 20.0
+VLLM_OPERATOR_SWITCH_S = 10.0
 """Wall seconds into the replay at which the demo, as an operator, asks for the deployment in force reshaped: on
 this workload the planner keeps one deployment, and the demo shows what a switch does with real engines."""
 

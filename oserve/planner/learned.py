@@ -162,7 +162,7 @@ class CapacityLearner:
                                         LatencyTarget(tbt_s=1e9, kv_headroom_frac=table.target.kv_headroom_frac,
                                                       kv_sigmas=table.target.kv_sigmas),
                                         table.memory, table.gpus_per_node, table.engine, table.perf,
-                                        table.max_replica_gpus)
+                                        table.max_replica_gpus, table.max_pp)
         """The capacity model without a latency bound (a full replica's rate, analytically): cheap weights for
         a shape's classes where a simulated probe is not worth its cost (the twin's per-shape scale)."""
         self._mean = np.ones(len(self.shapes) * self.k)

@@ -68,12 +68,14 @@ def admitted_lengths(trace: Trace, model: ModelSpec) -> tuple[np.ndarray, np.nda
 
 
 def fit_prior(history: Trace, model: ModelSpec, cluster: ClusterSpec, *, target: LatencyTarget = LatencyTarget(),
-              span_s: float = SPAN_S, k: int = 4, seed: int = 0, duration_s: float | None = None) -> Prior:
+              span_s: float = SPAN_S, k: int = 4, seed: int = 0, duration_s: float | None = None,
+              max_pp: int | None = None) -> Prior:
     """Fit everything the planner knows before the window from `history` alone (module docstring). Pure.
 
     The history's time origin is its start and it lasts `duration_s` (default: up to the span holding
     its last arrival), ending where the window starts: its spans are [i * span_s, (i + 1) * span_s), so
-    the last one is the span just before the window.
+    the last one is the span just before the window. `max_pp`: the deepest pipeline the engines run
+    (`CapacityTable.max_pp`).
     """
     ok, inp, out = admitted_lengths(history, model)
     if len(inp) < k:
@@ -90,7 +92,7 @@ def fit_prior(history: Trace, model: ModelSpec, cluster: ClusterSpec, *, target:
         predicted[i] = estimator.predict_one(int(inp[i]), tag=tag, max_tokens=cap)
         right += estimator.learn_one(int(inp[i]), int(out[i]), tag=tag, max_tokens=cap) == predicted[i]
     lengths = FixedLengths.from_observed(types.names, predicted, inp, out, fallback=types)
-    table = CapacityTable(model, cluster.gpu, lengths, target, gpus_per_node=cluster.gpus_per_node)
+    table = CapacityTable(model, cluster.gpu, lengths, target, gpus_per_node=cluster.gpus_per_node, max_pp=max_pp)
     end_s = float(history.arrival_s[-1]) if duration_s is None else duration_s
     num_spans = max(1, int(np.ceil(end_s / span_s - 1e-9)))
     span = np.minimum((history.arrival_s[ok] // span_s).astype(np.int64), num_spans - 1)
