@@ -3,11 +3,17 @@
 For each new strategy that starts or retires a replica it plans the switch with the core switch
 planner (`oserve.switch.plan_switch`: which weight bytes each new replica's GPUs need and which GPU
 sends them) and publishes the plan's size in `SwitchPlanned`; then it starts the new replicas, waits until all report ready, flips the
-router (`AssignmentSet`) and drains the retired ones. If the new replicas are not ready in time it
-drains them again and publishes `SwitchRolledBack`, the old deployment serving throughout. A strategy
-that keeps the same replicas only re-routes: the assignment goes out and no switch event does, so a
-telemetry consumer counts switches by counting `SwitchPlanned`.
-(The engines here still take the modelled transfer time rather than moving the bytes.)
+router (`AssignmentSet`) and drains the retired ones. If the new replicas are not ready in time, or one
+reports `ReplicaFailed`, it drains them again and publishes `SwitchRolledBack` with the reason, the old
+deployment serving throughout. A strategy that keeps the same replicas only re-routes: the assignment goes
+out and no switch event does, so a telemetry consumer counts switches by counting `SwitchPlanned`.
+
+With simulated engines (`live_transfer` off) a new replica takes the plan's modelled time. With real ones
+the transfer is live: the plan becomes a wire plan (`oserve.switch.wire`) whose jobs this worker serves
+from a rendezvous store for the switch's length; the serving replicas that hold bytes get `SendWeights`,
+the new ones `StartReplica.weights`, and a new replica is ready only once every byte it received matched
+its sender's checksum and is in force (`WeightsReceived`; totals in `SwitchCompleted`). The retired
+replicas drain for `migrate_after_wall_s`, then hand what still runs to the new ones.
 
 Between switches it keeps the deployment in force alive: a replica of it silent (no heartbeat) for
 `restart_after_wall_s` — its engine host was killed and restarted empty, or lost the replica — is
