@@ -51,5 +51,7 @@ async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and
     # requests running at the flip migrated mid-answer, and their answers are the answers without a switch
     assert r["migrated"] >= 1, "no request was running on the old replicas when they retired"
     assert r["gateway_migrated"] == r["migrated"]
-    assert all(0 < n < 128 for n in r["migrated_tokens"])
+    # one dispatched just before the flip may have no token yet (it starts over on the new replica); at least one
+    # was mid-answer
+    assert all(0 <= n < 128 for n in r["migrated_tokens"]) and any(n > 0 for n in r["migrated_tokens"])
     assert r["migrated_token_exact"]
