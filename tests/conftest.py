@@ -1,15 +1,48 @@
-"""Shared test settings: hypothesis profiles sized for a 2-core CI machine."""
+"""Shared test settings: hypothesis profiles sized for a 2-core CI machine, and a dump of every asyncio
+task's stack when an async test runs long (pytest-timeout shows threads only, and a hung test's threads all sit
+in the event loop's select)."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
+
+TASK_DUMP_AFTER_S = float(os.environ.get("OSERVE_TEST_TASK_DUMP_S", "300"))
+"""An async test still running after this long prints where each of its tasks waits (stderr, once)."""
+
+
+def _dump_tasks(name: str) -> None:
+    out = io.StringIO()
+    tasks = asyncio.all_tasks()
+    print(f"\n--- {name}: still running after {TASK_DUMP_AFTER_S:g} s; {len(tasks)} asyncio tasks ---", file=out)
+    for task in tasks:
+        task.print_stack(limit=12, file=out)
+    sys.stderr.write(out.getvalue())
+
+
+@pytest.fixture
+async def _dump_tasks_when_slow(request):
+    """Schedules the task dump on the test's own loop; cancelled when the test ends."""
+    handle = asyncio.get_running_loop().call_later(TASK_DUMP_AFTER_S, _dump_tasks, request.node.nodeid)
+    yield
+    handle.cancel()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:  # async tests only: a sync test has no loop to watch
+        if asyncio.iscoroutinefunction(getattr(item, "function", None)):
+            item.fixturenames.append("_dump_tasks_when_slow")
+
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
