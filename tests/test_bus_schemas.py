@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -189,3 +190,34 @@ async def test_a_typed_subscription_hands_over_decoded_messages_and_counts_bad_o
     for data in (sc.encode(good), b"{not json", sc.encode(sc.Ping())):
         await callback(SimpleNamespace(data=data, subject="x"))
     assert seen == [good] and worker.num_bad_messages == 2
+
+
+async def test_stop_ends_a_loop_that_swallowed_its_cancellation() -> None:
+    """Python 3.11's `asyncio.wait_for` returns the result it got at the moment its task was cancelled: a
+    worker loop that waits with it (a heartbeat's `nc.flush`) can go on after `stop()` cancelled it. A stop
+    that waited for such a loop never ended (a drained replica was never reported drained); it cancels
+    again until the loops are gone."""
+    from oserve.workers.base import RECANCEL_WALL_S, Worker
+
+    loop = asyncio.get_running_loop()
+    ready: list = []
+
+    class Swallowing(Worker):
+        def _loops(self):
+            return [self._loop]
+
+        async def _loop(self) -> None:
+            while True:
+                fut = loop.create_future()
+                ready.append(fut)
+                await asyncio.wait_for(fut, 60)  # done at the moment the task is cancelled: no CancelledError
+
+    w = Swallowing()
+    await w.start()
+    while not ready:
+        await asyncio.sleep(0)
+    stopping = asyncio.create_task(w.stop())
+    await asyncio.sleep(0)  # stop() has cancelled the runner; the TaskGroup cancels the loop
+    ready[-1].set_result(None)  # ... just as what it waited for arrived
+    await asyncio.wait_for(stopping, 10 * RECANCEL_WALL_S)
+    assert w._runner is None and all(t.done() for t in w._loop_tasks)

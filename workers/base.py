@@ -12,6 +12,12 @@ from oserve.streams.schemas import SchemaError, decode
 
 log = logging.getLogger(__name__)
 
+RECANCEL_WALL_S = 1.0
+"""How long `stop()` waits for the loops to end before it cancels the ones still running again. Python 3.11's
+`asyncio.wait_for` can return the result it got at the moment its task was cancelled and so swallow the
+cancellation (nats-py's `flush` is one): a loop that did carries on, and its TaskGroup would wait for it
+forever."""
+
 
 class Worker:
     """Base class: subclasses implement `_subscribe()`, `_loops()` and optionally `_drain()`.
@@ -28,6 +34,7 @@ class Worker:
         """Messages a typed subscription (`typed`) could not decode, and skipped."""
         self._subs: list = []
         self._runner: asyncio.Task[None] | None = None
+        self._loop_tasks: list[asyncio.Task] = []
         self._state = "new"  # new -> started -> draining -> stopped
         self._drained = asyncio.Event()  # set once the first drain() ends (or is cancelled)
         self.failure: BaseException | None = None
@@ -74,8 +81,7 @@ class Worker:
     async def _run_loops(self, loops: list[Callable[[], Awaitable[None]]]) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
-                for loop in loops:
-                    tg.create_task(loop())
+                self._loop_tasks = [tg.create_task(loop()) for loop in loops]
         except* Exception as group:  # a loop died: the worker stops rather than stay half-alive
             self.failure = group.exceptions[0]
             for exc in group.exceptions:
@@ -105,7 +111,13 @@ class Worker:
         if runner is not None:
             runner.cancel()
             try:
-                await runner
+                while not (await asyncio.wait([runner], timeout=RECANCEL_WALL_S))[0]:
+                    for task in self._loop_tasks:  # one swallowed its cancellation (RECANCEL_WALL_S)
+                        if not task.done():
+                            log.debug("%s: a loop outlived its cancellation; cancelling it again", self.name)
+                            task.cancel()
+                if not runner.cancelled():
+                    runner.result()
             except asyncio.CancelledError:
                 me = asyncio.current_task()
                 if me is not None and me.cancelling():  # we are being cancelled ourselves: pass it on
