@@ -164,6 +164,10 @@ class PerfModel:
     """Decides whether pipeline stages talk over NVLink or the network."""
     iteration_overhead_s: float = 1.5e-3
     """Engine time per iteration outside the GPU kernels (scheduling, sampling, launch), an assumption."""
+    sequence_overhead_s: float = 0.0
+    """Engine time per sequence that gets a token in an iteration, outside the GPU kernels (sampling over the
+    vocabulary, handing its output over), counted with the LM head. 0 in the H100 model (where it is inside
+    `iteration_overhead_s`); fitted for a CPU engine by `oserve.fidelity`, where it is most of a decode step."""
     attention: AttentionModel = field(default_factory=AttentionModel)
     coefficients: dict | None = field(default=None, hash=False, compare=False)
     """Fitted coefficients; None uses the shipped ones."""
@@ -221,6 +225,7 @@ class ShapeTimer:
         spans_nodes = shape.num_gpus > perf.gpus_per_node
         self._send_recv = collectives["send_recv_inter" if spans_nodes else "send_recv_intra"]
         self.iteration_overhead_s = perf.iteration_overhead_s
+        self._row_s = perf.sequence_overhead_s
         self._linear_cache: dict[int, float] = {}
         self._token_cache: dict[int, tuple[float, float]] = {}
         self._lm_cache: dict[int, float] = {}
@@ -261,7 +266,7 @@ class ShapeTimer:
         if rows == 0:
             return 0.0
         k, n = self._lm_head_kn
-        return float(gemm_seconds(self._gemm, rows, k, n, self._peak, self._hbm))
+        return float(gemm_seconds(self._gemm, rows, k, n, self._peak, self._hbm)) + self._row_s * rows
 
     # --- whole iterations ----------------------------------------------------------------------
 
@@ -354,7 +359,8 @@ class ShapeTimer:
             per_layer = per_layer + 2.0 * collective_seconds(self._all_reduce, m * self._act_bytes_per_token)
         rows = np.asarray(logit_rows, dtype=float)
         k, n = self._lm_head_kn
-        lm_head = np.where(rows > 0, gemm_seconds(self._gemm, np.maximum(rows, 1), k, n, self._peak, self._hbm), 0.0)
+        lm_head = np.where(rows > 0, gemm_seconds(self._gemm, np.maximum(rows, 1), k, n, self._peak, self._hbm)
+                           + self._row_s * rows, 0.0)
         stages = [n_layers * per_layer for n_layers in self.layers]
         stages[0] = stages[0] + self._embed_b * m
         stages[-1] = stages[-1] + lm_head + self._embed_b * m
@@ -446,6 +452,7 @@ class ScaledPerf:
     gpu = property(lambda self: self.base.gpu)
     gpus_per_node = property(lambda self: self.base.gpus_per_node)
     iteration_overhead_s = property(lambda self: self.base.iteration_overhead_s)
+    sequence_overhead_s = property(lambda self: getattr(self.base, "sequence_overhead_s", 0.0))
 
     def scale_of(self, shape: ReplicaShape) -> tuple[float, float]:
         return self.scales.get(shape, self.default)

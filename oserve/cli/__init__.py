@@ -36,8 +36,8 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
     pass
 
 # Subcommand modules register themselves on the apps above when imported.
-from oserve.cli import (bench_cmds, bus_cmds, chaos_cmd, demo_cmd, forecast_cmds, live_cmds,  # noqa: E402,F401
-                        plan_cmds, sim_cmds, switch_cmds, trace_cmds)
+from oserve.cli import (bench_cmds, bus_cmds, chaos_cmd, demo_cmd, fidelity_cmd, forecast_cmds,  # noqa: E402,F401
+                        live_cmds, plan_cmds, sim_cmds, switch_cmds, trace_cmds)
 
 
 def main() -> None:
