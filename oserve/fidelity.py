@@ -13,7 +13,7 @@ operator, so the factors are fitted to iteration times:
 
 - `iteration_overhead_s`: engine time per iteration outside the model (scheduling, launching the step);
 - `sequence_overhead_s`: engine time per sequence that gets a token (sampling over the vocabulary, the hand-off
-  of its output to the caller; on a CPU engine most of a small model's decode step);
+  of its output to the caller);
 - `eff_flops`, `eff_bw`: the GEMM roofline's shares of the host's measured matrix-multiply and memory rates
   (`host_spec`), with the roofline's exponent and launch time kept from the H100 fit;
 - `prefill_flops_frac`, `decode_bw_frac`: attention's shares of the same rates (prefill pairs, KV reads);

@@ -167,7 +167,8 @@ class PerfModel:
     sequence_overhead_s: float = 0.0
     """Engine time per sequence that gets a token in an iteration, outside the GPU kernels (sampling over the
     vocabulary, handing its output over), counted with the LM head. 0 in the H100 model (where it is inside
-    `iteration_overhead_s`); fitted for a CPU engine by `oserve.fidelity`, where it is most of a decode step."""
+    `iteration_overhead_s`); fitted for a CPU engine by `oserve.fidelity` (55-130 µs a sequence there: a third or
+    more of a 64-sequence decode step)."""
     attention: AttentionModel = field(default_factory=AttentionModel)
     coefficients: dict | None = field(default=None, hash=False, compare=False)
     """Fitted coefficients; None uses the shipped ones."""
