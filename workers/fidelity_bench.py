@@ -57,15 +57,20 @@ class FidelityConfig:
     model_path: str = ""
     """A local model folder; empty: the shipped small Llama."""
     dtype: str = "bfloat16"
+    """The engine's weights and activations (`VllmBackendConfig.dtype`); the device's rates are measured in it."""
     max_model_len: int = 2048
+    """The engine's context window (prompt plus answer)."""
     max_num_seqs: int = 64
+    """The engine's batch limit in sequences (its token budget is vLLM's default, read back from the engine)."""
     loads: tuple[float, ...] = (0.4, 0.8, 1.3)
     """Replay rates as fractions of the fitted model's capacity on the trace: light, busy, and overloaded (where
     throughput is the engine's, not the offered rate)."""
     replay_s: float = 60.0
     """Seconds of arrivals per replay."""
     max_input_tokens: int = 1024
+    """Prompts longer in the trace are cut to this."""
     max_output_tokens: int = 128
+    """Answers longer in the trace are cut to this (each answer is as long as the trace's, cut)."""
     history_minutes: float = 10.0
     """The scored replays' window starts this far into the bundled Azure conversation hour; the calibration's
     window is before it."""
@@ -75,15 +80,20 @@ class FidelityConfig:
     a real workload (`oserve.fidelity.calibrate`); the scored replays are simulated with it too, beside the profile's
     fit alone."""
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Sequences decoding together, per decode point (those over `max_num_seqs` are skipped)."""
     decode_contexts: tuple[int, ...] = (32, 512, 1024)
+    """Their prompts' length, per decode point."""
     decode_steps: int = 24
+    """Tokens each decode point's sequences generate (the gaps between them are the iteration times)."""
     prefill_points: tuple[tuple[int, int], ...] = ((1, 16), (1, 64), (1, 128), (1, 256), (1, 512), (1, 768),
                                                     (1, 1024), (1, 1536), (1, 2000), (2, 256), (2, 512), (2, 1024),
                                                     (4, 64), (4, 256), (4, 512), (8, 32), (8, 128), (8, 256),
                                                     (16, 64), (16, 128), (32, 32))
     """(prompts, tokens each) sent at once; those over the engine's token budget are skipped."""
     repeats: int = 3
+    """Runs per profile point; the median is kept."""
     seed: int = 0
+    """Seed of the prompts' random token ids."""
 
     def __post_init__(self) -> None:
         if not self.loads or not all(0 < x <= 2 for x in self.loads) or not 0 <= self.calibration_load <= 2:
