@@ -243,7 +243,7 @@ def test_llama2_70b_on_16_gpus_against_reload_and_bound():
     greedy = plan_switch(model, c, src, dst, planner="greedy")
     improved = plan_switch(model, c, src, dst, planner="improved")
     assert improved.switch_seconds <= 1.05 * improved.lower_bound_seconds
-    assert improved.switch_seconds <= greedy.switch_seconds
+    assert improved.switch_seconds <= greedy.switch_seconds * (1 + REL)
     assert improved.reload_seconds >= 10 * improved.switch_seconds
     assert greedy.lower_bound_seconds <= greedy.switch_seconds
 

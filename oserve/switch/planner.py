@@ -936,9 +936,16 @@ def plan_switch(model: ModelSpec, cluster: ClusterSpec, source: Deployment, targ
         if any(a != b for a, b in gpu_map.items()):
             candidates.append(build("improved", relabel(target, gpu_map), gpu_map))
     candidates.append(greedy)
-    # Fastest first; then fewer network bytes; then the earliest candidate (as-given before remapped).
-    best = min(range(len(candidates)), key=lambda i: (candidates[i].switch_seconds, candidates[i].network_bytes, i))
-    return candidates[best]
+    # Fastest first (times within a relative 1e-9 are a tie: the schedules' sums differ in their last bits); then
+    # fewer network bytes; then the earliest candidate (as-given before remapped).
+    fastest = min(c.switch_seconds for c in candidates)
+    tied = [i for i, c in enumerate(candidates) if c.switch_seconds <= fastest * (1 + 1e-9)]
+    chosen = candidates[min(tied, key=lambda i: (candidates[i].network_bytes, i))]
+    if chosen is greedy and config.relay:
+        # the greedy plan goes into the target as given, as the first candidate does: that one's relay bound (no
+        # plan into this placement is faster, relays allowed) holds for it too
+        chosen = replace(chosen, relay_bound_seconds=candidates[0].relay_bound_seconds)
+    return chosen
 
 
 __all__ = [
