@@ -193,3 +193,34 @@ def test_bench_uncertainty_json_and_plot(monkeypatch, capsys, tmp_path: Path) ->
         assert p["oserve_p99_s"] > 0
         assert p["speedup"] == pytest.approx(row["static_p99_s"] / p["oserve_p99_s"]) or p["speedup"] <= 1.0
     assert (tmp_path / "uncertainty.png").stat().st_size > 10_000
+
+
+def test_a_library_error_logged_with_its_traceback_reaches_the_user_as_one_line(monkeypatch) -> None:
+    """Seen in CI: nats-py's read loop logged asyncio's InvalidStateError with a traceback while `oserve demo` drained
+    after Ctrl-C. The command turns such a record into one line (its type and message)."""
+    import asyncio
+    import io
+    import logging
+    import sys
+
+    from oserve import cli
+
+    monkeypatch.setattr(sys, "argv", ["oserve", "--version"])
+    for _ in range(2):
+        try:
+            cli.main()  # prints the version
+        except SystemExit as exc:
+            assert not exc.code
+    log = logging.getLogger("nats.aio.client")
+    assert sum(isinstance(f, cli._OneLineErrors) for f in log.filters) == 1
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        try:
+            raise asyncio.InvalidStateError("invalid state")
+        except asyncio.InvalidStateError as exc:
+            log.error("nats: encountered error", exc_info=exc)
+    finally:
+        log.removeHandler(handler)
+    assert stream.getvalue() == "nats: encountered error: InvalidStateError: invalid state\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 try:
@@ -40,8 +41,25 @@ from oserve.cli import (bench_cmds, bus_cmds, chaos_cmd, demo_cmd, fidelity_cmd,
                         live_cmds, plan_cmds, sim_cmds, switch_cmds, trace_cmds)
 
 
+class _OneLineErrors(logging.Filter):
+    """An error a library logs with its traceback becomes one line: nats-py's read loop logs what it did not expect
+    ("nats: encountered error", e.g. asyncio's InvalidStateError when a message lands on a request a drain has
+    cancelled) with a traceback through the interpreter's last-resort handler. What a user of the command sees is
+    the error's type and message; the connection's own error callback and reconnects handle the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def main() -> None:
     """Entry point: run the app; an OServeError becomes a one-line message and exit code 2."""
+    nats_log = logging.getLogger("nats.aio.client")
+    if not any(isinstance(f, _OneLineErrors) for f in nats_log.filters):
+        nats_log.addFilter(_OneLineErrors())
     try:
         rv = app(standalone_mode=False)
     except OServeError as exc:
