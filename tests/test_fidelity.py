@@ -90,23 +90,49 @@ def test_a_profile_point_is_the_batch_it_measured() -> None:
     assert ProfilePoint(DECODE, 8, 100, 0.01).as_batch() == Batch.of(decode_contexts=[100] * 8)
 
 
-@given(st.floats(0.0, 1e-3), st.integers(1, 64), st.integers(0, 2048))
-def test_the_sequence_term_adds_its_time_per_row_exactly(per_row, rows, ctx) -> None:
-    """`PerfModel.sequence_overhead_s` adds per_row x logit rows to an iteration, on the scalar and the array paths."""
-    base = PerfModel(TINY, HOST)
+@given(st.floats(0.0, 1e-3), st.integers(1, 64), st.integers(0, 2048), st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2)]),
+       st.integers(0, 512))
+def test_the_sequence_term_is_on_every_timing_path(per_row, rows, ctx, tp_pp, prefill) -> None:
+    """`PerfModel.sequence_overhead_s` adds per_row x logit rows to an iteration's latency; the array path agrees
+    with the scalar one, and a pipeline's step is still max(latency, pp x bottleneck), with the term in both."""
+    model = replace(TINY, num_layers=4)
+    base = PerfModel(model, HOST)
     more = replace(base, sequence_overhead_s=per_row)
-    batch = Batch.of(decode_contexts=[ctx] * rows)
-    shape = ReplicaShape(1, 1)
-    assert more.iteration_seconds(shape, batch) == pytest.approx(base.iteration_seconds(shape, batch) + per_row * rows,
-                                                                 rel=1e-12, abs=1e-15)
-    many = more.timer(shape).bottleneck_seconds_many(np.array([rows]), np.array([0.0]),
-                                                     np.array([rows * ctx + rows]), np.array([rows]))
-    assert many[0] == pytest.approx(more.timer(shape).bottleneck_seconds(batch), rel=1e-9)
+    batch = Batch.of([(prefill, 0)] if prefill else [], [ctx] * rows)
+    shape = ReplicaShape(*tp_pp)
+    assert more.iteration_seconds(shape, batch) == pytest.approx(
+        base.iteration_seconds(shape, batch) + per_row * batch.num_logit_rows, rel=1e-12, abs=1e-15)
+    timer = more.timer(shape)
+    kv = batch.decode_context_tokens + batch.prefill_cached_tokens + batch.num_tokens
+    many = timer.bottleneck_seconds_many(np.array([batch.num_tokens]), np.array([batch.prefill_pairs]),
+                                         np.array([kv]), np.array([batch.num_logit_rows]))
+    assert many[0] == pytest.approx(timer.bottleneck_seconds(batch), rel=1e-9)
+    assert timer.pipelined_step_seconds(batch) == pytest.approx(
+        max(timer.iteration_seconds(batch), shape.pp * timer.bottleneck_seconds(batch)), rel=1e-9)
 
 
 def test_the_h100_model_has_no_sequence_term() -> None:
     perf = PerfModel(model_preset("llama2-7b"), gpu_preset("h100"))
     assert perf.sequence_overhead_s == 0.0
+    batch = Batch.of([(512, 0)], [1000] * 32)
+    assert perf.iteration_seconds(ReplicaShape(2, 1), batch) == \
+        replace(perf, sequence_overhead_s=0.0).iteration_seconds(ReplicaShape(2, 1), batch)
+
+
+@given(st.lists(st.floats(0.0, 100.0), min_size=3, max_size=200, unique=True), st.floats(0.5, 50.0),
+       st.floats(1.0, 120.0))
+def test_at_rate_keeps_the_order_and_arrives_at_the_asked_rate(raw, rate, seconds) -> None:
+    from oserve.workers.fidelity_bench import at_rate
+
+    arrival = np.sort(np.array(raw))
+    inp, out = np.arange(len(arrival)), np.arange(len(arrival)) + 1
+    t, i, o = at_rate(arrival, inp, out, rate, seconds)
+    n = len(t)
+    assert n == min(max(round(rate * seconds), 1), len(arrival) - 1)
+    assert t[0] == 0.0 and np.all(np.diff(t) >= 0) and np.array_equal(i, inp[:n]) and np.array_equal(o, out[:n])
+    assert t[-1] <= n / rate * (1 + 1e-9)  # the next request would arrive at n / rate: on average `rate` a second
+    with pytest.raises(ConfigError, match="positive rate"):
+        at_rate(arrival, inp, out, 0.0, seconds)
 
 
 @given(st.integers(1, 4096), st.sampled_from([16, 128]))

@@ -28,7 +28,7 @@ def test_bench_switch_json_paper_cases():
     for name in {r["name"] for r in cases}:
         imp, gre = by[(name, "improved")], by[(name, "greedy")]
         assert imp["switch_seconds"] <= 1.05 * imp["lower_bound_seconds"] + 1e-12
-        assert imp["switch_seconds"] <= gre["switch_seconds"]
+        assert imp["switch_seconds"] <= gre["switch_seconds"] * (1 + 1e-9)  # times within 1e-9 tie in plan_switch
     assert out["targets"]["improved_within_1_05_of_bound"] and out["targets"]["improved_never_slower_than_greedy"]
     assert out["targets"]["llama2_70b_16gpu_min_reload_over_switch"] >= 10
 

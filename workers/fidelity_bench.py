@@ -98,6 +98,9 @@ class FidelityConfig:
     def __post_init__(self) -> None:
         if not self.loads or not all(0 < x <= 2 for x in self.loads) or not 0 <= self.calibration_load <= 2:
             raise ConfigError(f"FidelityConfig.loads must be fractions of capacity in (0, 2], got {self.loads}")
+        if self.calibration_load and not self.history_minutes > 0:
+            raise ConfigError("FidelityConfig: a calibration needs the window before history_minutes (> 0), got "
+                              f"{self.history_minutes}")
         if not self.replay_s > 0 or self.repeats < 1 or self.decode_steps < 4:
             raise ConfigError(f"FidelityConfig: replay_s must be > 0, repeats >= 1 and decode_steps >= 4, got "
                               f"{self.replay_s}, {self.repeats} and {self.decode_steps}")
@@ -179,8 +182,12 @@ async def profile(eng: _Engine, cfg: FidelityConfig, budget_tokens: int, max_seq
     """The engine's iteration times (see the module docstring, step 1)."""
     prefill = [(b, n) for b, n in cfg.prefill_points if b * n <= budget_tokens and b <= max_seqs
                and n + 1 <= cfg.max_model_len]
+    def steps_of(b: int, c: int) -> int:
+        # the first sequences keep decoding while the last ones are prefilled (ceil(b * c / budget) iterations)
+        return cfg.decode_steps + -(-b * c // budget_tokens) + 1
+
     decode = [(b, c) for b in cfg.decode_batches for c in cfg.decode_contexts
-              if b <= max_seqs and c + cfg.decode_steps <= cfg.max_model_len]
+              if b <= max_seqs and c + steps_of(b, c) <= cfg.max_model_len]
     total, done = len(prefill) + len(decode), 0
     points: list[ProfilePoint] = []
     for b, n in prefill:
@@ -193,14 +200,21 @@ async def profile(eng: _Engine, cfg: FidelityConfig, budget_tokens: int, max_seq
         done += 1
         progress(done / total)
     for b, c in decode:
-        gaps: list[float] = []
+        steps = steps_of(b, c)
+        per_step: list[float] = []
+        contexts: list[float] = []
         for _ in range(cfg.repeats):
-            stamps = await eng.batch(b, c, cfg.decode_steps)
-            start = max(s[0] for s in stamps)  # every sequence decodes from here on
-            gaps.extend(y - x for s in stamps for x, y in zip(s, s[1:]) if x >= start)
-        if gaps:
-            # the context a decode step reads: the prompt plus, on average, half the steps
-            points.append(ProfilePoint(DECODE, b, c + cfg.decode_steps / 2, statistics.median(gaps), len(gaps)))
+            stamps = await eng.batch(b, c, steps)
+            start = max(s[0] for s in stamps)  # from here every sequence of the batch decodes,
+            end = min(s[-1] for s in stamps)  # until the first one ends: pure decode iterations of b sequences
+            for s in stamps:
+                inside = [x for x in s if start <= x <= end]
+                if len(inside) >= 2 and inside[-1] > inside[0]:  # tokens handed over together share a stamp
+                    per_step.append((inside[-1] - inside[0]) / (len(inside) - 1))
+                    contexts.append(c + sum(1 for x in s if x < start) + len(inside) / 2)
+        if per_step:
+            points.append(ProfilePoint(DECODE, b, statistics.fmean(contexts), statistics.median(per_step),
+                                       len(per_step)))
         done += 1
         progress(done / total)
     return points
@@ -246,11 +260,16 @@ def workload(cfg: FidelityConfig, calibration: bool = False):
 
 
 def at_rate(arrival_s: np.ndarray, inp: np.ndarray, out: np.ndarray, rate_rps: float, seconds: float):
-    """The trace's first requests, their gaps scaled to `rate_rps` on average, for `seconds`. Pure."""
-    natural = len(arrival_s) / max(float(arrival_s[-1] - arrival_s[0]), 1e-9)
-    t = (arrival_s - arrival_s[0]) * natural / rate_rps
-    keep = t < seconds
-    return t[keep], inp[keep], out[keep]
+    """`rate_rps` x `seconds` requests from the start of the trace, their gaps scaled so that they arrive at
+    `rate_rps` on average over `seconds` (the next request's arrival closes the window), keeping the trace's
+    burstiness; all of them, scaled alike, when the trace has fewer. Pure."""
+    if not rate_rps > 0 or not seconds > 0 or len(arrival_s) < 2:
+        raise ConfigError(f"at_rate: need a positive rate and duration and two requests, got {rate_rps}, {seconds} and "
+                          f"{len(arrival_s)}")
+    n = min(max(int(round(rate_rps * seconds)), 1), len(arrival_s) - 1)
+    span = max(float(arrival_s[n] - arrival_s[0]), 1e-9)
+    t = (arrival_s[:n] - arrival_s[0]) * (n / rate_rps / span)
+    return t, inp[:n], out[:n]
 
 
 async def run(cfg: FidelityConfig, progress: Progress = lambda what, frac: None) -> dict:
@@ -293,6 +312,8 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
     arrival, inp, out = workload(cfg)
     sample = min(len(inp), 400)
     capacity = capacity_rps(model, gpu, engine, memory, perf, inp[:sample], out[:sample])
+    if not capacity > 0:
+        raise ConfigError("oserve bench fidelity: the fitted model's replica serves none of the trace's requests")
     n_replays = len(cfg.loads) + (1 if cfg.calibration_load else 0)
     step = (1.0 - 0.05 - share) / n_replays
     base = 0.05 + share
@@ -309,9 +330,13 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
 
         def simulate_at(x: float, t=t, i=i, o=o) -> ReplayRecord:
             return simulate_with(perf_model(model, gpu, with_sequence_factor(fit.params, x)), t, i, o)
-        factor = calibrate(real, simulate_at)
+        served = real.throughput()[0]
+        saturated = served < 0.95 * rate
+        # only an overloaded replay measures the engine's capacity; one it kept up with says nothing of it
+        factor = calibrate(real, simulate_at) if saturated else 1.0
         calibration = {"load": cfg.calibration_load, "rate_rps": rate, "requests": int(len(t)),
-                       "sequence_overhead_factor": factor,
+                       "arrivals_s": len(t) / rate,
+                       "real_throughput_rps": served, "saturated": saturated, "sequence_overhead_factor": factor,
                        "sequence_overhead_s": fit.params["sequence_overhead_s"] * factor,
                        "profile_fit": compare(real, simulate_at(1.0)), "calibrated": compare(real, simulate_at(factor))}
     calibrated = perf_model(model, gpu, with_sequence_factor(fit.params, factor))
@@ -323,7 +348,8 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
         real = await replay_real(eng, t, i, o, lambda f, b=at, ld=load: progress(f"replaying at {ld:g} of capacity",
                                                                                  b + step * f))
         sim, sim_cal = simulate_with(perf, t, i, o), simulate_with(calibrated, t, i, o)
-        replays.append({"load": load, "rate_rps": rate, "requests": int(len(t)), **compare(real, sim),
+        replays.append({"load": load, "rate_rps": rate, "requests": int(len(t)), "arrivals_s": len(t) / rate,
+                        **compare(real, sim),
                         "calibrated": compare(real, sim_cal),
                         "real": {**_record(real), "scheduled_s": [round(float(x), 6) for x in t],
                                  "input_tokens": [int(x) for x in i]},

@@ -903,7 +903,8 @@ def plan_switch(model: ModelSpec, cluster: ClusterSpec, source: Deployment, targ
 
     `greedy` keeps the target's placement and never relays; `improved` may relabel its GPUs
     (node-preserving), may relay (`SwitchConfig.relay`) and returns the fastest of its candidates, the
-    greedy plan among them. Returns `SwitchPlan.empty(source)` when the target equals the source.
+    greedy plan among them (times within a relative 1e-9 tie, and then the one with fewer network bytes wins: it
+    may be slower than the fastest by that much). Returns `SwitchPlan.empty(source)` when the target equals the source.
 
     Raises:
         ConfigError: a placement invalid on the cluster, or an unknown planner.
