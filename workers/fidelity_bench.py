@@ -182,6 +182,7 @@ async def profile(eng: _Engine, cfg: FidelityConfig, budget_tokens: int, max_seq
     """The engine's iteration times (see the module docstring, step 1)."""
     prefill = [(b, n) for b, n in cfg.prefill_points if b * n <= budget_tokens and b <= max_seqs
                and n + 1 <= cfg.max_model_len]
+
     def steps_of(b: int, c: int) -> int:
         # the first sequences keep decoding while the last ones are prefilled (ceil(b * c / budget) iterations)
         return cfg.decode_steps + -(-b * c // budget_tokens) + 1
