@@ -118,7 +118,6 @@ def measure_host(dtype: str, device: str = "cpu", seconds: float = 1.0) -> tuple
     dt = getattr(torch, dtype)
     cuda = device.startswith("cuda")
     n, copy_bytes = (4096, 1 << 30) if cuda else (1024, 64 << 20)
-    a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
 
     def rate(fn, units: float) -> float:
         def timed() -> float:
@@ -134,12 +133,17 @@ def measure_host(dtype: str, device: str = "cpu", seconds: float = 1.0) -> tuple
             best, spent = min(best, dt_s), spent + dt_s
         return units / best
 
-    flops = rate(lambda: a @ b, 2.0 * n ** 3)
-    src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    bandwidth = rate(lambda: dst.copy_(src), 2.0 * src.numel())  # read and write
-    del a, b, src, dst
-    if cuda:
+    def matmul() -> float:
+        a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
+        return rate(lambda: a @ b, 2.0 * n ** 3)
+
+    def copy() -> float:
+        src = torch.ones(copy_bytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return rate(lambda: dst.copy_(src), 2.0 * copy_bytes)  # read and write
+
+    flops, bandwidth = matmul(), copy()
+    if cuda:  # the engine, another process, sizes its KV cache by the memory free when it starts
         torch.cuda.empty_cache()
     return flops, bandwidth
 
@@ -348,7 +352,8 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
         at = base + k * step
         real = await replay_real(eng, t, i, o, lambda f, b=at, ld=load: progress(f"replaying at {ld:g} of capacity",
                                                                                  b + step * f))
-        sim, sim_cal = simulate_with(perf, t, i, o), simulate_with(calibrated, t, i, o)
+        sim = simulate_with(perf, t, i, o)
+        sim_cal = sim if factor == 1.0 else simulate_with(calibrated, t, i, o)
         replays.append({"load": load, "rate_rps": rate, "requests": int(len(t)), "arrivals_s": len(t) / rate,
                         **compare(real, sim),
                         "calibrated": compare(real, sim_cal),
@@ -375,6 +380,13 @@ def _record(r: ReplayRecord) -> dict:
         return [None if not math.isfinite(float(x)) else round(float(x), 6) for x in a]
     return {"sent_s": col(r.arrival_s), "ttft_s": col(r.ttft_s), "e2e_s": col(r.e2e_s),
             "output_tokens": [int(x) for x in r.output_tokens]}
+
+
+def _from_record(rec: dict) -> ReplayRecord:
+    """A replay's columns as `_record` wrote them, back as a `ReplayRecord` (null as NaN)."""
+    def col(values: list) -> np.ndarray:
+        return np.array([math.nan if v is None else v for v in values], dtype=float)
+    return ReplayRecord(col(rec["sent_s"]), col(rec["ttft_s"]), col(rec["e2e_s"]), np.array(rec["output_tokens"]))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -413,16 +425,8 @@ def plot(result: dict, path: Path) -> None:
                 rec = rep.get(side)
                 if rec is None:
                     continue
-                ttft = np.array([np.nan if v is None else v for v in rec["ttft_s"]], dtype=float)
-                e2e = np.array([np.nan if v is None else v for v in rec["e2e_s"]], dtype=float)
-                n = np.array(rec["output_tokens"], dtype=float)
-                if metric == "ttft":
-                    v = ttft
-                elif metric == "e2e":
-                    v = e2e
-                else:
-                    ok = n >= 2
-                    v = (e2e[ok] - ttft[ok]) / (n[ok] - 1)
+                r = _from_record(rec)
+                v = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2e": r.e2e_s}[metric]
                 v = np.sort(v[np.isfinite(v)])
                 ax.plot(v, np.arange(1, len(v) + 1) / max(len(v), 1), style, label=side)
             m = rep["metrics"]
