@@ -315,10 +315,12 @@ class _Timeline:
 
 async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: None, *, nats_url: str = "",
                           model_name: str | None = None, request_interval_s: float = 2.0,
-                          answer_tokens: int = 128) -> dict:
+                          answer_tokens: int = 128, min_in_flight: int = 2) -> dict:
     """The pipeline part (see the module docstring): 2 x TP1 -> TP2 through the live system on NATS while streamed
-    greedy requests come in, one every `request_interval_s`, until four after the switch. Starts its own
-    nats-server unless `nats_url` is given. Returns the counts, the timeline and the checks."""
+    greedy requests come in, one every `request_interval_s` and sooner whenever fewer than `min_in_flight` are
+    being answered (so requests are running on the old replicas when they retire, however fast the host
+    decodes), until four after the switch. Starts its own nats-server unless `nats_url` is given. Returns the
+    counts, the timeline and the checks."""
     import msgspec
     import nats
 
@@ -397,9 +399,12 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
         latency: dict[int, float] = {}
         errors: list = []
         switched = asyncio.Event()
+        finished = asyncio.Event()
+        in_flight = [0]
 
         async def one(i: int) -> None:
             t0 = time.monotonic()
+            in_flight[0] += 1
             try:
                 final, parts = None, []
                 async for item in client.stream(prompt=texts[i], max_tokens=answer_tokens, temperature=0.0):
@@ -412,8 +417,21 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
                 answers[i], latency[i] = final, time.monotonic() - t0
             except Exception as exc:  # counted: a failed request is reported, not raised
                 errors.append((i, f"{type(exc).__name__}: {exc}"))
+            finally:
+                in_flight[0] -= 1
+                finished.set()
 
         sent: list[int] = []
+
+        async def next_send() -> None:
+            """Until the interval is up, or sooner once fewer than `min_in_flight` requests are being answered."""
+            deadline = time.monotonic() + request_interval_s
+            while in_flight[0] >= min_in_flight and (left := deadline - time.monotonic()) > 0:
+                finished.clear()
+                try:
+                    await asyncio.wait_for(finished.wait(), left)
+                except TimeoutError:
+                    return
 
         async def load() -> None:
             async with asyncio.TaskGroup() as tg:
@@ -424,7 +442,8 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
                     after += switched.is_set()
                     if after >= 4:
                         break
-                    await asyncio.sleep(request_interval_s)
+                    await asyncio.sleep(0)  # the new request counts as in flight before the next is weighed
+                    await next_send()
         progress("pipeline: requests stream in; the switch to TP2 starts")
         load_task = asyncio.create_task(load())
         await asyncio.sleep(3 * request_interval_s)
