@@ -224,10 +224,20 @@ class OServeClient:
 
     def __init__(self, nc: NATS, subjects: Subjects = Subjects(), *, default_timeout_s: float = 60.0,
                  tracer: Tracer | None = None, owns_connection: bool = False,
-                 reconnect: ReconnectPolicy = ReconnectPolicy()) -> None:
+                 reconnect: ReconnectPolicy = ReconnectPolicy(), user: str | None = None) -> None:
         if not default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be > 0, got {default_timeout_s}")
         self.nc, self.subjects, self.tracer = nc, subjects, tracer
+        # an authenticated user publishes on its own subjects, where the gateway answers only its own inbox
+        # (`Subjects.user_submit`); without one, the shared subjects (a trusted identity, a server without auth)
+        self.user = user
+        if user and not nc.new_inbox().startswith(subjects.user_inbox_root(user) + "."):
+            # the gateway would drop every request: answers on a user's subject go to that user's inbox only
+            raise ConfigError(f"OServeClient(user={user!r}) needs a connection whose inbox prefix is "
+                              f"{subjects.user_inbox_root(user)!r} (nats.connect(inbox_prefix=...); "
+                              f"OServeClient.connect(user=...) makes one)")
+        self.submit_subject = subjects.user_submit(user) if user else subjects.submit()
+        self.cancel_subject = subjects.user_cancel(user) if user else subjects.cancel()
         self.default_timeout_s = default_timeout_s
         self.reconnect = reconnect
         self._owns = owns_connection
@@ -258,7 +268,8 @@ class OServeClient:
                       tracer: Tracer | None = None, connect_timeout_s: float = 5.0,
                       reconnect: ReconnectPolicy = ReconnectPolicy(), name: str | None = None) -> OServeClient:
         """Connect to NATS; replies arrive under `<reply_prefix>.<user>` (the user given, else the URL's, else
-        `anon`), which permissions can restrict. Waits up to `connect_timeout_s` for the first connection
+        `anon`), which permissions can restrict. With a user, requests and cancels go to that user's own
+        subjects (`Subjects.user_submit`), where a gateway answers only that inbox. Waits up to `connect_timeout_s` for the first connection
         (raises `CannotConnect`, whose message carries no password); once connected, it reconnects as
         `reconnect` says."""
         if user is None:
@@ -270,12 +281,14 @@ class OServeClient:
         rng = random.Random()
 
         refused = asyncio.Event()  # the server refused the credentials: no point in trying until the timeout
+        denied: list[BaseException] = []  # the refusal itself: the reset of the connection that follows it is not why
 
         async def on_error(exc: Exception) -> None:
             errors[:] = [exc]
             # nats-py reports the server's -ERR as a plain nats.errors.Error carrying its text
             if not nc.is_connected and (isinstance(exc, nats.errors.AuthorizationError)
                                         or "authorization violation" in str(exc).lower()):
+                denied[:] = [exc]
                 refused.set()
             log.debug("client: NATS error: %s", exc)
 
@@ -317,10 +330,10 @@ class OServeClient:
             connecting.result()
         except (OSError, nats.errors.Error, TimeoutError) as exc:
             await _abandon(nc)
-            why = errors[-1] if errors else exc
+            why = denied[0] if denied else errors[-1] if errors else exc
             raise CannotConnect(f"cannot connect to NATS at {shown}: {str(why) or type(why).__name__}") from None
         made.append(cls(nc, subjects, default_timeout_s=default_timeout_s, tracer=tracer, owns_connection=True,
-                        reconnect=reconnect))
+                        reconnect=reconnect, user=user))
         return made[0]
 
     async def submit(self, *, prompt: str | None = None, input_tokens: int | None = None,
@@ -396,7 +409,7 @@ class OServeClient:
                     if await self._retry_no_gateway(inbox, wait, deadline):
                         continue
                     ended = True
-                    raise NoGateway(f"no gateway listens on {self.subjects.submit()}")
+                    raise NoGateway(f"no gateway listens on {self.submit_subject}")
                 try:
                     answer = decode(msg.data, Reply | ErrorReply | ReplyChunk)
                 except SchemaError as exc:
@@ -567,7 +580,7 @@ class OServeClient:
             wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s
         try:
             # a copy of the headers: nats-py may keep what it is handed while the message waits in its buffer
-            await self.nc.publish(self.subjects.submit(), payload, reply=inbox,
+            await self.nc.publish(self.submit_subject, payload, reply=inbox,
                                   headers=dict(headers) if headers else None)
         except nats.errors.MaxPayloadError:
             raise BadReply(f"request of {len(payload)} bytes is over the server's max_payload") from None
@@ -665,7 +678,7 @@ class OServeClient:
         if not request_id or self.nc.is_closed:
             return
         try:
-            await self.nc.publish(self.subjects.cancel(), encode(CancelRequest(request_id=request_id, inbox=inbox,
+            await self.nc.publish(self.cancel_subject, encode(CancelRequest(request_id=request_id, inbox=inbox,
                                                                                reason=reason)))
         except (nats.errors.Error, OSError):  # connection closing: the gateway will see no answer come back
             log.debug("request %s: could not publish its cancel", request_id, exc_info=True)
@@ -686,7 +699,7 @@ class OServeClient:
 
         from oserve.observability.tracing import messaging_attributes, messaging_span_name
 
-        subject = self.subjects.submit()
+        subject = self.submit_subject
         return self.tracer.start_span(messaging_span_name("publish", subject), kind=SpanKind.CLIENT,
                                       attributes={"oserve.step": step, "oserve.request_id": request_id,
                                                   **messaging_attributes(subject, "send", "publish",
@@ -714,7 +727,7 @@ class OServeClient:
                     break
             ended = True
             if msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
-                raise NoGateway(f"no gateway listens on {self.subjects.submit()}")
+                raise NoGateway(f"no gateway listens on {self.submit_subject}")
             try:
                 answer = decode_reply(msg.data)
             except SchemaError as exc:

@@ -71,6 +71,11 @@ _GROUPS: tuple[_Group, ...] = (
     _Group("cancel", Subjects.cancel, "command", None, ("cancel.v1",),
            "Clients abandon a request they sent (a stream closed early, a timeout); every gateway hears it, the one "
            "that owns the request checks the inbox prefix and acts."),
+    _Group("submit.user", lambda s: s.user_submit("USER"), "request", None, ("submit.v1", "ping.v1"),
+           "An authenticated client's own submit subject (permissions let only that user publish on it): as "
+           "`submit`, but the gateways answer only a reply inbox of that user's, `_INBOX_<prefix>.<user>.`."),
+    _Group("cancel.user", lambda s: s.user_cancel("USER"), "command", None, ("cancel.v1",),
+           "An authenticated client's own cancel subject: it may cancel only requests sent with its own inboxes."),
     _Group("replies", _reply_subject, "reply", None, ("reply.v1", "error.v1", "pong.v1", "accepted.v1"),
            "What comes back to the request's reply inbox (a client reads only its own, `_INBOX_<prefix>.<user>.>`). "
            "Every reply message of another kind (a token chunk) arrives here too."),
@@ -96,7 +101,12 @@ _GROUPS: tuple[_Group, ...] = (
     _Group("plan.assignment", lambda s: s.plan_event("assignment"), "event", Subjects.stream_plans,
            ("assignment.v1",), "The assignment the routers follow from now on (also in the strategy KV bucket)."),
     _Group("host.control", lambda s: s.host_control("HOST_ID"), "command", None,
-           ("start_replica.v1", "drain_replica.v1", "send_weights.v1"), "Workers only: commands to one engine host."),
+           ("start_replica.v1", "drain_replica.v1", "send_weights.v1"),
+           "Workers only: commands to one engine host (the switch planner's, with an id it wants acknowledged)."),
+    _Group("control.ack", lambda s: s.control_ack("COMMANDER", 1), "reply", None, ("command_ack.v1",),
+           "Workers only: an engine host acknowledges a command on its reply subject, under the commanding switch "
+           "planner's own token; a command sent again with the same id is acknowledged `duplicate` and not run "
+           "twice."),
     _Group("heartbeats", lambda s: s.heartbeat("REPLICA_ID"), "event", Subjects.stream_telemetry, ("heartbeat.v1",),
            "Each replica's liveness and load, twice a wall second; the router balances on it."),
     _Group("telemetry", lambda s: s.telemetry("SOURCE_ID"), "event", Subjects.stream_telemetry, ("telemetry.v1",),

@@ -15,8 +15,12 @@ models, so a restarted worker reuses them instead of training again.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import uuid
 from dataclasses import dataclass
 
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
@@ -26,6 +30,8 @@ from nats.js.object_store import ObjectStore
 from oserve.errors import ConfigError
 from oserve.streams.schemas import MAX_MESSAGE_BYTES
 from oserve.streams.subjects import Subjects
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +113,55 @@ async def ensure_model_store(js: JetStreamContext, subjects: Subjects, num_repli
                                                                                  replicas=num_replicas))
     except BadRequestError:  # created concurrently by another worker
         return await js.object_store(bucket)
+
+
+class EventPublisher:
+    """Publishes control-plane events with acknowledgement: on a subject a stream captures (the plans stream),
+    `publish` returns once JetStream has stored the event (its `PubAck`), trying again until it has, so an
+    event is never lost without the publisher knowing. Consumers subscribed on core NATS get it as before.
+
+    Each event carries a `Nats-Msg-Id` (the caller's, else a fresh one), so a try whose acknowledgement was lost
+    is stored once (the stream's duplicate window); a core subscriber may then hear it twice, which every
+    control-plane consumer takes as the same event (strategies, assignments and replica events are idempotent
+    by their ids). Without JetStream (`js` None: a server or a test without the streams) it publishes plainly:
+    with no stream to acknowledge it, a retried publish would only be heard again.
+    """
+
+    def __init__(self, nc, js: JetStreamContext | None, *, timeout_s: float = 2.0, attempts: int = 3,
+                 retry_wall_s: float = 0.25) -> None:
+        if attempts < 1 or not timeout_s > 0:
+            raise ConfigError(f"EventPublisher: attempts >= 1 and timeout_s > 0 required, got {attempts}, {timeout_s}")
+        self.nc, self.js = nc, js
+        self.timeout_s, self.attempts, self.retry_wall_s = timeout_s, attempts, retry_wall_s
+        self.num_acked = 0
+        """Events JetStream acknowledged."""
+        self.num_retries = 0
+        """Tries after the first (a lost or late acknowledgement, a disconnection)."""
+        self.num_unacked = 0
+        """Events no try got acknowledged (logged; the caller's own recovery takes over)."""
+        self._ids = 0
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> bool:
+        """Publish one event; True once stored (or, without JetStream, once handed to the connection)."""
+        if self.js is None:
+            await self.nc.publish(subject, data, headers=headers)
+            return True
+        out = dict(headers) if headers else {}
+        if "Nats-Msg-Id" not in out:
+            self._ids += 1
+            out["Nats-Msg-Id"] = f"{uuid.uuid4().hex}-{self._ids}"
+        for attempt in range(self.attempts):
+            if attempt:
+                self.num_retries += 1
+                await asyncio.sleep(self.retry_wall_s * attempt)
+            try:
+                await self.js.publish(subject, data, timeout=self.timeout_s, headers=out)
+            except (nats.errors.Error, TimeoutError, OSError) as exc:
+                log.debug("event on %s not acknowledged (%s); trying again", subject, exc)
+                continue
+            self.num_acked += 1
+            return True
+        self.num_unacked += 1
+        log.warning("an event on %s was not acknowledged after %d tries", subject,
+                                            self.attempts)
+        return False

@@ -311,7 +311,7 @@ class Arrived(_Msg, frozen=True, kw_only=True, tag="arrived.v1"):
     """How many clock seconds pass per wall second on the producer's clock."""
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
+class Completion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     request_id: str
     replica_id: str
     input_tokens: int
@@ -320,13 +320,18 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     ttft_s: float
     e2e_s: float
     finished_at_s: float  # on the engine's clock
+    owner: str = ""
+    """`owner_of(Dispatch.gateway_id, reply inbox)`: only that gateway, holding that client's request under this
+    id, forgets it on this completion ("" from an older engine: matched by id alone)."""
 
 
-class Migration(msgspec.Struct, frozen=True, kw_only=True):
+class Migration(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One request handed over mid-answer by a retiring replica (`Completed.migrated`)."""
 
     request_id: str
     resume: Resume
+    owner: str = ""
+    """As `Completion.owner`: only the gateway and client named here continue it elsewhere."""
 
 
 class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
@@ -344,6 +349,10 @@ class Completed(_Msg, frozen=True, kw_only=True, tag="completed.v1"):
     """Requests a retiring replica stopped mid-answer in a switch (`DrainReplica.migrate_after_s`), with what
     they generated: the gateway dispatches each one it still holds on this replica to a new replica, which
     continues it (`Dispatch.resume`). Unanswered here; answered once, there."""
+    released_owners: list[str] = []
+    """`Completion.owner` of each entry of `released`, in order (empty from an older engine: by id alone)."""
+    requeue_owners: list[str] = []
+    """`Completion.owner` of each entry of `requeue`, in order (empty from an older engine: by id alone)."""
     clock_epoch_unix_s: float = 0.0
     """Unix time (wall seconds) at which the producer's clock read 0: wall = epoch + at_s / clock_speedup."""
     clock_speedup: float = 1.0
@@ -513,6 +522,9 @@ class StartReplica(_Msg, frozen=True, kw_only=True, tag="start_replica.v1"):
     """None: the replica loads its weights itself (from the model's files, or modelled: `ready_after_s`).
     Set: it starts without weights and receives its shards from the replicas that hold them (`SendWeights`
     goes to their hosts), and serves only once every byte is verified; else it reports `ReplicaFailed`."""
+    command_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] = ""
+    """Set by a switch planner that wants the command acknowledged (`CommandAck` to the message's reply
+    subject): it sends the command again, with the same id, until it is; a host runs each id once."""
 
 
 class DrainReplica(_Msg, frozen=True, kw_only=True, tag="drain_replica.v1"):
@@ -523,6 +535,9 @@ class DrainReplica(_Msg, frozen=True, kw_only=True, tag="drain_replica.v1"):
     migrate_after_s: Annotated[float, Meta(ge=0.0)] | None = None
     """Wall seconds the replica finishes requests in place; what still runs then is handed over to the new
     replicas with what it generated (`Completed.migrated`). None: every request finishes in place."""
+    command_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] = ""
+    """Set by a switch planner that wants the command acknowledged (`CommandAck` to the message's reply
+    subject): it sends the command again, with the same id, until it is; a host runs each id once."""
 
 
 class SendWeights(_Msg, frozen=True, kw_only=True, tag="send_weights.v1"):
@@ -532,6 +547,20 @@ class SendWeights(_Msg, frozen=True, kw_only=True, tag="send_weights.v1"):
     strategy_id: str
     replica_id: str
     weights: WeightSession
+    command_id: Annotated[str, Meta(max_length=MAX_ID_CHARS)] = ""
+    """Set by a switch planner that wants the command acknowledged (`CommandAck` to the message's reply
+    subject): it sends the command again, with the same id, until it is; a host runs each id once."""
+
+
+class CommandAck(_Msg, frozen=True, kw_only=True, tag="command_ack.v1"):
+    """An engine host has a command (`StartReplica`, `DrainReplica`, `SendWeights` with a `command_id`): sent to
+    the command's reply subject (`Subjects.control_ack`) once it is queued to run. A command it already had
+    (the planner sent it again: this acknowledgement was lost or late) is acknowledged again, `duplicate`, and
+    not run twice."""
+
+    host_id: str
+    command_id: str
+    duplicate: bool = False
 
 
 class WeightsReceived(_Msg, frozen=True, kw_only=True, tag="weights_received.v1"):

@@ -41,6 +41,37 @@ class Subjects:
         """Clients publish `CancelRequest`s here (no queue group: every gateway hears it, the owner acts)."""
         return f"{self.prefix}.req.cancel"
 
+    def user_submit(self, user: str) -> str:
+        """Where the authenticated client `user` publishes its `SubmitRequest`s: the gateways serve a request
+        from here only with a reply under that user's own inbox (`user_inbox_root`), so with permissions that
+        let each user publish on its own subject alone (deploy/nats-server.conf), a client can have answers
+        sent only to itself. The shared `submit` subject is for trusted identities and servers without auth."""
+        return f"{self.prefix}.req.u.{_check_token('user', user)}.submit"
+
+    def user_cancel(self, user: str) -> str:
+        """Where `user` publishes its `CancelRequest`s; they may name only inboxes under `user_inbox_root`."""
+        return f"{self.prefix}.req.u.{_check_token('user', user)}.cancel"
+
+    def users_submit(self) -> str:
+        """Every user's submit subject (the gateways' queue group listens)."""
+        return f"{self.prefix}.req.u.*.submit"
+
+    def users_cancel(self) -> str:
+        return f"{self.prefix}.req.u.*.cancel"
+
+    def user_of(self, subject: str) -> str | None:
+        """The user a per-user submit or cancel subject belongs to; None for any other subject. Pure."""
+        parts = subject.split(".")
+        if len(parts) == 5 and parts[0] == self.prefix and parts[1:3] == ["req", "u"] and \
+                parts[4] in ("submit", "cancel") and _TOKEN_RE.match(parts[3]):
+            return parts[3]
+        return None
+
+    def user_inbox_root(self, user: str) -> str:
+        """The inbox prefix of `user`'s connection (`OServeClient.connect`): its replies come under
+        `<root>.`, which its permissions let it read and nobody else's."""
+        return f"{self.reply_prefix()}.{_check_token('user', user)}"
+
     def replica(self, replica_id: str) -> str:
         """The gateway forwards `Dispatch`es to one engine worker here."""
         return f"{self.prefix}.engine.{_check_token('replica_id', replica_id)}.dispatch"
@@ -71,6 +102,21 @@ class Subjects:
     def host_control(self, host_id: str) -> str:
         """Commands (`StartReplica`, `DrainReplica`) to one engine host."""
         return f"{self.prefix}.host.{_check_token('host_id', host_id)}.control"
+
+    def control_ack(self, commander: str, n: int) -> str:
+        """The reply subject of one acknowledged command (`CommandAck`) from `commander` (a switch planner's
+        own token): engine hosts answer only under `{prefix}.ack.`, never on a command's arbitrary reply."""
+        return f"{self.prefix}.ack.{_check_token('commander', commander)}.{int(n)}"
+
+    def control_acks(self, commander: str = "*") -> str:
+        """Every acknowledgement to `commander` (all commanders: the default)."""
+        return f"{self.prefix}.ack.{commander if commander == '*' else _check_token('commander', commander)}.*"
+
+    def is_control_ack(self, subject: str) -> bool:
+        """Whether `subject` is a command's acknowledgement subject (`control_ack`). Pure."""
+        parts = subject.split(".")
+        return len(parts) == 4 and parts[0] == self.prefix and parts[1] == "ack" and \
+            bool(_TOKEN_RE.match(parts[2])) and parts[3].isdigit()
 
     # --- liveness and telemetry (core NATS; the telemetry stream keeps the last hour) -----------
 
@@ -128,8 +174,25 @@ def dedupe_key(reply: str, request_id: str) -> str:
     is its client's alone, so it is kept whole: dropping the last token would leave `_INBOX`, shared by
     every such client.
     """
+    return f"{client_part(reply)} {request_id}"
+
+
+def client_part(reply: str) -> str:
+    """The client part of a reply inbox (see `dedupe_key`): the inbox without its last token, or the whole
+    inbox when it has two tokens. Pure."""
     head = reply.rpartition(".")[0]
-    return f"{head if '.' in head else reply} {request_id}"
+    return head if "." in head else reply
+
+
+def owner_of(gateway_id: str, reply: str) -> str:
+    """Who holds a dispatched request: the gateway that sent it and its client's part of the inbox. Pure.
+
+    Engines name it beside each request id in `Completed` (`Completion.owner`, `Migration.owner`,
+    `Completed.released_owners`, `Completed.requeue_owners`); a gateway acts on an entry only when it names
+    that gateway and the client of the request it holds under that id, so with several gateways, two clients
+    that chose one request id never clear, re-dispatch or migrate each other's request.
+    """
+    return f"{gateway_id} {client_part(reply)}"
 
 
 MAX_REPLY_CHARS = 256

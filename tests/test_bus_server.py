@@ -99,19 +99,22 @@ async def test_deploy_permissions_let_clients_submit_and_read_only_their_replies
         async def answer(msg) -> None:
             await worker.publish(msg.reply, b"ok")
 
-        echo = await worker.subscribe(subjects.submit(), cb=answer)
+        echo = await worker.subscribe(subjects.users_submit(), cb=answer)
         alice = await nats.connect(url, user="alice", password="test-alice", error_cb=on_error,
                                    inbox_prefix=f"{subjects.reply_prefix()}.alice")
-        assert (await alice.request(subjects.submit(), b"hi", timeout=5)).data == b"ok"
-        # anything else is refused by the server: publishing a plan, reading another inbox
+        assert (await alice.request(subjects.user_submit("alice"), b"hi", timeout=5)).data == b"ok"
+        # anything else is refused by the server: publishing a plan, reading another inbox, submitting on the
+        # shared subject (where the reply is not tied to her) or on bob's
         await alice.publish(subjects.plan_event("strategy"), b"forged")
         await alice.subscribe(f"{subjects.reply_prefix()}.bob.>")
+        await alice.publish(subjects.submit(), b"hi", reply=f"{subjects.reply_prefix()}.bob.x.1")
+        await alice.publish(subjects.user_submit("bob"), b"hi", reply=f"{subjects.reply_prefix()}.bob.x.1")
         await alice.flush()
         for _ in range(50):
-            if len(errors) >= 2:
+            if len(errors) >= 4:
                 break
             await asyncio.sleep(0.05)
-        assert len(errors) >= 2 and all("ermissions" in str(e) for e in errors), errors
+        assert len(errors) >= 4 and all("ermissions" in str(e) for e in errors), errors
         await echo.unsubscribe()
         await alice.close()
         await worker.close()
@@ -143,7 +146,7 @@ async def test_the_request_path_works_under_the_deploy_permissions() -> None:
 
             alice = await nats.connect(url, user="alice", password="test-alice", error_cb=on_error,
                                        inbox_prefix=f"{subjects.reply_prefix()}.alice")
-            client = OServeClient(alice, subjects, owns_connection=True)
+            client = OServeClient(alice, subjects, owns_connection=True, user="alice")
             reply = await client.submit(prompt="hello there", max_tokens=5, timeout_s=5)
             assert reply.output_tokens == 5 and reply.replica_id == "r0"
             # a client may cancel its own stream: the cancel gets through the permissions to the gateway

@@ -236,7 +236,7 @@ authorization {{
   users: [
     {{ user: worker, password: wpw, permissions: {{ publish: [">"], subscribe: [">"] }} }}
     {{ user: alice, password: apw,
-      permissions: {{ publish: ["{p}.req.submit", "{p}.req.cancel"], subscribe: ["_INBOX_{p}.alice.>"] }} }}
+      permissions: {{ publish: ["{p}.req.u.alice.submit", "{p}.req.u.alice.cancel"], subscribe: ["_INBOX_{p}.alice.>"] }} }}
   ]
 }}
 """

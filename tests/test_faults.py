@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from oserve.errors import ConfigError
 from oserve.streams.client import OServeClient, RequestRejected
 from oserve.streams.schemas import (Completed, Dispatch, ErrorCode, ErrorReply, Reply, ReplicaSpec, StrategyChosen,
                                     SubmitRequest, decode, decode_reply, decode_submit, encode, request_id_of)
@@ -112,6 +113,66 @@ async def test_no_reply_subject_but_an_inbox_is_ever_published_to(server) -> Non
             assert not [m for m in tap.msgs if m.subject == target], target
         assert gw.num_bad_reply == len(targets) + 1
         assert engines[0].num_received == 1  # only the good request reached the engine
+
+
+async def test_on_a_users_own_subject_only_that_users_inbox_is_answered(server) -> None:
+    """Replies tied to the authenticated user: what comes on `oserve.req.u.<user>.submit` (which permissions let
+    only that user publish on) is answered only to `_INBOX_oserve.<user>.…`, so alice cannot have an answer, an
+    error or a chunk sent into bob's inbox, and her cancels name only her own requests."""
+    from oserve.streams.schemas import CancelRequest
+
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, _ = await start_system(stack, server.url)
+        tap_nc = await nats.connect(server.url)
+        stack.push_async_callback(tap_nc.close)
+        tap = Tap()
+        await tap_nc.subscribe(f"{subjects.reply_prefix()}.>", cb=tap.on)
+        await tap_nc.flush()
+        bob = subjects.user_inbox_root("bob")
+        alice = subjects.user_inbox_root("alice")
+        for i, target in enumerate([f"{bob}.c.1", f"{bob}.1", f"{subjects.reply_prefix()}.c.1", "_INBOX.c.1",
+                                    f"{alice}x.c.1", alice]):
+            await nc.publish(subjects.user_submit("alice"), submit(f"as-alice{i}"), reply=target)
+        await nc.publish(subjects.user_submit("alice"), b"{not json", reply=f"{bob}.c.2")  # not even an error
+        await tap_nc.flush()
+        await asyncio.sleep(0.3)
+        assert tap.msgs == [] and gw.num_bad_reply == 7 and engines[0].num_received == 0
+        # her own inbox: answered, through the client that publishes on her subject
+        client = await OServeClient.connect(server.url, subjects=subjects, user="alice", default_timeout_s=5)
+        stack.push_async_callback(client.close)
+        assert client.submit_subject == subjects.user_submit("alice")
+        with pytest.raises(ConfigError, match="inbox prefix"):  # its answers could never reach it: said at once
+            OServeClient(nc, subjects, user="alice")
+        reply = await client.submit(input_tokens=20, max_tokens=4, request_id="hers", timeout_s=5)
+        assert isinstance(reply, Reply) and reply.output_tokens == 4
+        # bob may not cancel her request, even naming her inbox; a cancel on her subject may
+        slow = asyncio.create_task(client.submit(input_tokens=20, max_tokens=4000, request_id="long", timeout_s=10))
+        await wait_until(lambda: "long" in gw.pending, 5, "her long request to be in flight")
+        inbox = gw.pending["long"].reply
+        await nc.publish(subjects.user_cancel("bob"), encode(CancelRequest(request_id="long", inbox=inbox)))
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert "long" in gw.pending and gw.num_cancelled == 0 and gw.num_cancels_ignored == 1
+        await nc.publish(subjects.user_cancel("alice"), encode(CancelRequest(request_id="long", inbox=inbox)))
+        await wait_until(lambda: gw.num_cancelled == 1, 5, "her own cancel")
+        slow.cancel()
+        await asyncio.gather(slow, return_exceptions=True)
+
+
+@given(user=st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True), other=st.text(max_size=40),
+       tail=st.from_regex(r"[A-Za-z0-9_-]{1,8}(\.[A-Za-z0-9_-]{1,8}){0,2}", fullmatch=True))
+def test_a_users_subject_names_its_user_and_only_its_inbox_passes(user: str, other: str, tail: str) -> None:
+    s = unique_subjects()
+    assert s.user_of(s.user_submit(user)) == user and s.user_of(s.user_cancel(user)) == user
+    assert s.user_of(s.submit()) is None and s.user_of(s.cancel()) is None
+    assert s.user_of(f"{s.prefix}.req.u.{user}.other") is None
+    assert s.user_of(f"x{s.prefix}.req.u.{user}.submit") is None
+    gw = Gateway.__new__(Gateway)
+    gw.config = GatewayConfig(subjects=s)
+    assert gw._not_users_inbox(s.user_submit(user), f"{s.user_inbox_root(user)}.{tail}") is None
+    assert gw._not_users_inbox(s.submit(), other) is None  # the shared subject: `reply_error` decides
+    if not other.startswith(s.user_inbox_root(user) + "."):
+        assert gw._not_users_inbox(s.user_submit(user), other) is not None
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -369,6 +430,13 @@ async def test_a_stalled_replica_fences_itself_and_nothing_is_answered_twice(ser
         stalled = engines[0]
         held = stalled.num_inflight
         stalled._last_beat_wall_s -= 10.0  # as if its loop had been paused for 10 s
+        beat = stalled._send_heartbeat
+
+        async def silent_until_fenced() -> None:  # no heartbeat got out during the stall: none may end it
+            if not stalled.num_fenced:
+                raise nats.errors.Error("stalled")
+            await beat()
+        stalled._send_heartbeat = silent_until_fenced
         replies = await asyncio.gather(*tasks)
         assert sorted(r.request_id for r in replies) == sorted(f"q{i}" for i in range(20))
         assert stalled.num_fenced == 1 and (held == 0 or gw.num_requeued == held)

@@ -441,6 +441,9 @@ async def test_an_engine_error_reply_releases_the_gateways_pending_entry(server)
             assert info.value.code == ErrorCode.INVALID
             await wait_until(lambda: not gw.pending, 5, "the gateway to release the failed request")
             assert any("huge" in c.released and not c.items for c in got_completed)  # no numbers to learn from
+            # named with its owner (`owner_of` the gateway and the client's inbox), as the gateway checks
+            owners = [o for c in got_completed for r, o in zip(c.released, c.released_owners) if r == "huge"]
+            assert owners and all(o.startswith(f"{gw.config.gateway_id} _INBOX") for o in owners)
             assert (await client.submit(input_tokens=10, max_tokens=2, timeout_s=5)).replica_id == "r0"
 
     await asyncio.wait_for(main(), 30)
@@ -807,5 +810,47 @@ async def test_a_cancel_read_before_its_submit_still_cancels_it(server) -> None:
             assert engines[0].num_received == 0 and "early" not in gw.pending
             # the same id from another inbox (a resend) is served
             assert (await client.submit(input_tokens=10, max_tokens=5, request_id="early", timeout_s=10)).output_tokens == 5
+
+    await asyncio.wait_for(main(), 30)
+
+
+async def test_another_gateways_completion_of_the_same_request_id_leaves_ours_alone(server) -> None:
+    """Several gateways share the completions subject, and two clients may choose one request id: an entry of
+    `Completed` names its owner (gateway and client), so a gateway clears, re-dispatches or migrates only its own."""
+    from oserve.streams.schemas import Completion, Migration, Resume
+    from oserve.streams.subjects import owner_of
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=5.0)
+            seen: list[Completed] = []
+
+            async def on_completed(msg) -> None:
+                seen.append(decode(msg.data, Completed))
+            await nc.subscribe(subjects.completions(), cb=on_completed)
+            a = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="same", timeout_s=10))
+            await wait_until(lambda: "same" in gw.pending, 5, "the request to be in flight")
+            mine = gw.pending["same"]
+            theirs = owner_of("gateway-other", mine.reply)  # same client, another gateway
+            stranger = owner_of(gw.config.gateway_id, "_INBOX_x.someone.1")  # this gateway, another client
+            for owner in (theirs, stranger):
+                await nc.publish(subjects.completions(), encode(Completed(
+                    replica_id="r0", items=[Completion(request_id="same", replica_id="r0", input_tokens=7,
+                                                       output_tokens=3, type_index=0, ttft_s=0.1, e2e_s=0.2,
+                                                       finished_at_s=1.0, owner=owner)],
+                    released=["same"], released_owners=[owner], requeue=["same"], requeue_owners=[owner],
+                    migrated=[Migration(request_id="same", owner=owner, resume=Resume(
+                        num_tokens=1, token_ids=[5], text="", sent_tokens=0, sent_chars=0, from_replica="r0"))])))
+            await nc.flush()
+            await asyncio.sleep(0.2)
+            assert gw.pending.get("same") is mine and mine.replica_id == "r0"  # not cleared, moved or sent again
+            assert gw.num_requeued == 0 and gw.num_migrated == 0 and gw.num_redispatched == 0
+            ra = await a  # its own completion clears it
+            assert (ra.input_tokens, ra.output_tokens) == (100, 200)
+            await wait_until(lambda: not gw.pending, 5, "the gateway to see its own completion")
+            own = [i for c in seen for i in c.items if i.request_id == "same" and i.replica_id == "r0"
+                   and i.output_tokens == 200]
+            assert [i.owner for i in own] == [owner_of(gw.config.gateway_id, mine.reply)]
 
     await asyncio.wait_for(main(), 30)

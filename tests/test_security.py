@@ -59,6 +59,9 @@ def _kv(key: str) -> str:
     return f"$KV.{S.strategy_bucket()}.{key}"
 
 
+ACKS = f"{S.prefix}.ack.>"  # the switch planner's command acknowledgements (`Subjects.control_ack`)
+
+
 def _inbox(user: str) -> str:
     return f"{S.reply_prefix()}.{user}.>"
 
@@ -70,9 +73,11 @@ def _ordered_consumer(stream: str) -> set[str]:
 
 ROLES: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # user: (publish, subscribe)
     "gateway": (SETUP | {_wild(S.replica), S.arrivals(), CLIENT_INBOXES, KV_READ},
-                frozenset({S.submit(), S.cancel(), S.heartbeats(), S.completions(), S.plan_event("assignment"),
+                frozenset({S.submit(), S.cancel(), S.users_submit(), S.users_cancel(), S.heartbeats(), S.completions(),
+                           S.plan_event("assignment"),
                            JS_REPLIES})),
-    "engines": (SETUP | {S.completions(), S.heartbeats(), S.all_telemetry(), S.plan_event("replica"), CLIENT_INBOXES},
+    "engines": (SETUP | {S.completions(), S.heartbeats(), S.all_telemetry(), S.plan_event("replica"), CLIENT_INBOXES,
+                         ACKS},
                 frozenset({_wild(S.replica), _wild(S.host_control), JS_REPLIES})),
     "forecaster": (SETUP | {S.plan_event("forecast"), f"$O.{S.models_bucket()}.>", f"$JS.API.STREAM.CREATE.{OBJ_STREAM}",
                             f"$JS.API.STREAM.MSG.GET.{OBJ_STREAM}", f"$JS.API.STREAM.PURGE.{OBJ_STREAM}",
@@ -83,7 +88,7 @@ ROLES: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # user: (publish, s
                   frozenset({S.arrivals(), S.completions(), S.heartbeats(), S.plan_event("forecast"), JS_REPLIES})),
     "switch-planner": (SETUP | {S.plan_event("switch"), S.plan_event("assignment"), _wild(S.host_control),
                                 _kv(S.ASSIGNMENT_KEY)},
-                       frozenset({S.plan_event("strategy"), S.plan_event("replica"), S.heartbeats(), JS_REPLIES})),
+                       frozenset({S.plan_event("strategy"), S.plan_event("replica"), S.heartbeats(), ACKS, JS_REPLIES})),
     "http": (SETUP | {S.submit(), S.cancel()}, frozenset({_inbox("http"), JS_REPLIES})),
 }
 WORKER_EXTRA_PUBLISH = {"_INBOX.>",  # `oserve up`'s own HTTP front takes its answers on nats.py's default inbox
@@ -92,8 +97,8 @@ IDENTITIES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     **ROLES,
     "worker": (frozenset().union(*(p for p, _ in ROLES.values())) | WORKER_EXTRA_PUBLISH,
                frozenset().union(*(s for _, s in ROLES.values()))),
-    "alice": (frozenset({S.submit(), S.cancel()}), frozenset({_inbox("alice")})),
-    "bob": (frozenset({S.submit(), S.cancel()}), frozenset({_inbox("bob")})),
+    "alice": (frozenset({S.user_submit("alice"), S.user_cancel("alice")}), frozenset({_inbox("alice")})),
+    "bob": (frozenset({S.user_submit("bob"), S.user_cancel("bob")}), frozenset({_inbox("bob")})),
     "telemetry": (frozenset({f"$JS.API.STREAM.INFO.{S.stream_telemetry()}", f"$JS.API.STREAM.INFO.{S.stream_plans()}",
                              *(f"$JS.API.DIRECT.GET.{n}{tail}" for n in (S.stream_telemetry(), S.stream_plans())
                                for tail in ("", ".>"))}),
@@ -264,7 +269,8 @@ def test_each_config_grants_exactly_the_permission_table(config) -> None:
 
 
 PUBLISH_PROBES = [
-    S.submit(), S.cancel(), S.replica("r0"), S.replica_control("r0"), S.host_control("h0"), S.arrivals(),
+    S.submit(), S.cancel(), S.user_submit("alice"), S.user_cancel("alice"), S.user_submit("bob"), S.user_cancel("bob"),
+    S.control_ack("planner", 1), S.replica("r0"), S.replica_control("r0"), S.host_control("h0"), S.arrivals(),
     S.completions(), *(S.plan_event(k) for k in ("forecast", "strategy", "switch", "assignment", "replica")),
     S.heartbeat("evil"), S.telemetry("r0"), f"{S.reply_prefix()}.alice.1", f"{S.reply_prefix()}.bob.1",
     f"{S.reply_prefix()}.http.1", "_INBOX.forged.1", *(_kv(k) for k in (S.STRATEGY_KEY, S.ASSIGNMENT_KEY, S.LEARNED_KEY)),
@@ -277,7 +283,7 @@ PUBLISH_PROBES = [
     "evil.subject",
 ]
 SUBSCRIBE_PROBES = [
-    S.submit(), S.cancel(), S.replica("r0"), S.host_control("h0"), S.arrivals(), S.completions(),
+    S.submit(), S.cancel(), S.users_submit(), S.users_cancel(), S.user_submit("alice"), S.control_acks(), S.replica("r0"), S.host_control("h0"), S.arrivals(), S.completions(),
     *(S.plan_event(k) for k in ("forecast", "strategy", "switch", "assignment", "replica")), S.plan_events(),
     S.heartbeats(), S.all_telemetry(), f"{S.prefix}.>", _inbox("alice"), _inbox("bob"), _inbox("telemetry"),
     _inbox("http"), CLIENT_INBOXES, "_INBOX.>", f"$KV.{S.strategy_bucket()}.>", "$JS.API.>", ">",
@@ -407,7 +413,7 @@ async def test_every_worker_serves_under_its_own_identity_and_is_refused_nothing
                 await system.start()
                 systems.append(system)
             alice = await Login.connect(url, "alice", passwords["alice"])
-            client = OServeClient(alice.nc, S, owns_connection=True)
+            client = OServeClient(alice.nc, S, owns_connection=True, user="alice")  # on alice's own subjects
             for _ in range(100):
                 try:
                     if (await client.ping(timeout_s=0.5)).num_replicas > 0:
@@ -454,13 +460,20 @@ async def test_every_worker_serves_under_its_own_identity_and_is_refused_nothing
             for t in targets[:-1]:
                 await spy.nc.subscribe(t, cb=on_spy)
             await spy.nc.flush()
+            # bob's own inbox: a well-formed inbox, but not alice's, so not for what alice sends
+            bob = await Login.connect(url, "bob", passwords["bob"])
+            bobs_inbox = f"{INBOX_PREFIX['bob']}.bobsclient.1"
+            await bob.nc.subscribe(f"{INBOX_PREFIX['bob']}.>", cb=on_spy)
+            await bob.nc.flush()
             before = len(plans)
-            for i, target in enumerate([*targets, S.plan_event("switch")]):
-                await alice.nc.publish(S.submit(), encode(SubmitRequest(request_id=f"inject-{i}", input_tokens=10,
-                                                                        max_tokens=2)), reply=target)
+            for i, target in enumerate([*targets, S.plan_event("switch"), bobs_inbox]):
+                await alice.nc.publish(S.user_submit("alice"), encode(SubmitRequest(
+                    request_id=f"inject-{i}", input_tokens=10, max_tokens=2)), reply=target)
             await alice.nc.flush()
             await asyncio.sleep(1.0)
             assert landed == []
+            assert not alice.errors  # alice may publish on her subject: the gateway, not the server, refused these
+            await bob.nc.close()
             forged = [subject for subject, data in plans[before:] if b"inject-" in data]
             assert forged == [], forged
             assert (await kv.get(S.STRATEGY_KEY)).revision >= strategy_rev  # the scheduler may have moved on
@@ -519,13 +532,13 @@ async def test_tls_lets_in_a_client_that_trusts_the_ca_and_refuses_plaintext(tmp
         async def echo(msg) -> None:
             await worker.nc.publish(msg.reply, b"ok")
 
-        await worker.nc.subscribe(S.submit(), cb=echo)
+        await worker.nc.subscribe(S.users_submit(), cb=echo)
         await worker.nc.flush()
         # the worker's interest can reach alice's side of the server a moment after its flush on a loaded machine
         # (it came once with "no responders" in CI): asked again for up to 5 s, as `OServeClient` does
         for _ in range(50):
             try:
-                reply = await alice.nc.request(S.submit(), b"hi", timeout=5)
+                reply = await alice.nc.request(S.user_submit("alice"), b"hi", timeout=5)
                 break
             except nats.errors.NoRespondersError:
                 await asyncio.sleep(0.1)

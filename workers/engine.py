@@ -67,7 +67,7 @@ from oserve.observability.tracing import (GEN_AI_PROVIDER, extract, genai_span_n
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, MAX_MESSAGE_BYTES, MAX_RESUME_TOKENS, AbortRequest, Completed,
                                     Completion, Dispatch, ErrorCode, ErrorReply, Heartbeat, Migration, Reply,
                                     ReplyChunk, Resume, SchemaError, Telemetry, decode, encode)
-from oserve.streams.subjects import Subjects, dedupe_key, reply_error
+from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -148,6 +148,8 @@ class _InFlight:
     """Other reply subjects that asked for the same request while it ran (a client's retry)."""
     key: str = ""
     """The de-duplication key (`dedupe_key`)."""
+    owner: str = ""
+    """`owner_of` its gateway and inbox: named beside it in `Completed` so only that gateway acts on it."""
     fingerprint: str = ""
     """`Dispatch.fingerprint`: its stored answer is resent only to the same ask."""
     deadline_unix_s: float | None = None
@@ -182,10 +184,10 @@ class EngineWorker(Worker):
         # dedupe key + " " + fingerprint -> reply
         self._answered: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._answered_bytes = 0  # sum of len() of the replies in _answered
-        self._released: list[str] = []  # request ids answered with an error since the last flush
+        self._released: list[tuple[str, str]] = []  # (request id, owner) answered with an error since the last flush
         # the outbox of this turn of the event loop (`_finish`): completions and releases, then the replies
         self._out_completions: list[Completion] = []
-        self._out_released: list[str] = []
+        self._out_released: list[tuple[str, str]] = []
         self._out_replies: list[tuple[str, bytes, dict[str, str] | None]] = []
         self._out_task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -269,7 +271,7 @@ class EngineWorker(Worker):
             job = item.job
             payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.SHUTTING_DOWN,
                                         message=f"replica {self.config.replica_id} stopped before answering"))
-            self._released.append(job.request_id)
+            self._released.append((job.request_id, item.owner))
             self._remember(f"{item.key} {item.fingerprint}", payload)
             if self.metrics is not None:
                 self.metrics.request_aborted(self.config.model_name, self.config.replica_id)
@@ -316,6 +318,7 @@ class EngineWorker(Worker):
             self.num_bad_reply += 1  # not a gateway's dispatch: nothing is published to that subject
             return
         key = dedupe_key(msg.reply, d.request_id)
+        owner = owner_of(d.gateway_id, msg.reply)
         cached = self._answered.get(f"{key} {d.fingerprint}")
         if cached is not None or key in self._by_id:
             self.num_duplicates += 1
@@ -323,7 +326,7 @@ class EngineWorker(Worker):
                 # answered before: the gateway that sent it again holds a new entry, which no completion
                 # will clear unless it is released (it would be re-dispatched and served again); released
                 # before the resend, as `_finish` does
-                await self._publish_completed([], [d.request_id])
+                await self._publish_completed([], [(d.request_id, owner)])
             if cached is not None and msg.reply:
                 await self.nc.publish(msg.reply, cached)
             elif msg.reply:
@@ -333,13 +336,13 @@ class EngineWorker(Worker):
             return
         if d.deadline_unix_s is not None and time.time() >= d.deadline_unix_s:
             self.num_expired += 1
-            await self._refuse(msg.reply, d.request_id, ErrorCode.DEADLINE_EXCEEDED,
+            await self._refuse(msg.reply, d.request_id, owner, ErrorCode.DEADLINE_EXCEEDED,
                                "the request's deadline passed before it reached its replica")
             return
         load = self.backend.load()
         if load.num_waiting >= self.config.max_waiting:
             self.num_overloaded += 1
-            await self._refuse(msg.reply, d.request_id, ErrorCode.OVERLOADED,
+            await self._refuse(msg.reply, d.request_id, owner, ErrorCode.OVERLOADED,
                                f"replica {self.config.replica_id} has {load.num_waiting} requests waiting; retry later")
             return
         now_s = self.clock.now_s()
@@ -368,7 +371,7 @@ class EngineWorker(Worker):
                                                                              message_id=d.request_id,
                                                                              body_size_bytes=len(msg.data))})
         self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers),
-                                            key=key, fingerprint=d.fingerprint, deadline_unix_s=d.deadline_unix_s,
+                                            key=key, owner=owner, fingerprint=d.fingerprint, deadline_unix_s=d.deadline_unix_s,
                                             sent_tokens=resume.sent_tokens if resume else 0,
                                             sent_chars=resume.sent_chars if resume else 0)
         if resume is not None and span is not None:
@@ -388,10 +391,10 @@ class EngineWorker(Worker):
         if self.backend.next_event_s() != self._waiting_for_s:
             self._wake.set()  # the step loop sleeps towards a stale time
 
-    async def _refuse(self, reply: str, request_id: str, code: str, message: str) -> None:
+    async def _refuse(self, reply: str, request_id: str, owner: str, code: str, message: str) -> None:
         """Answer a dispatch with an error without serving it, and release it (the gateway forgets it): the
         release first, in the same write, as `_finish` does."""
-        await self._publish_completed([], [request_id])
+        await self._publish_completed([], [(request_id, owner)])
         if reply:
             await self.nc.publish(reply, encode(ErrorReply(request_id=request_id, code=code, message=message)))
 
@@ -411,7 +414,7 @@ class EngineWorker(Worker):
             self.num_expired += 1
             payload = encode(ErrorReply(request_id=item.job.request_id, code=ErrorCode.DEADLINE_EXCEEDED,
                                         message="the request's deadline passed before its answer was ready"))
-            await self._publish_completed([], [item.job.request_id])  # before the answer, as `_finish` does
+            await self._publish_completed([], [(item.job.request_id, item.owner)])  # before the answer, as `_finish` does
             await self._drop(item, reason="deadline_exceeded", payload=payload)
 
     async def _drop(self, item: _InFlight, *, reason: str, payload: bytes | None) -> None:
@@ -467,7 +470,7 @@ class EngineWorker(Worker):
                                    text=text[item.sent_chars:], offset_chars=item.sent_chars)
                 item.sent_tokens, item.sent_chars = tokens, len(text)
             self._streams.discard(job.seq)
-            handed.append(Migration(request_id=job.request_id, resume=Resume(
+            handed.append(Migration(request_id=job.request_id, owner=item.owner, resume=Resume(
                 num_tokens=tokens, token_ids=ids, text=text, sent_tokens=min(item.sent_tokens, tokens),
                 sent_chars=min(item.sent_chars, len(text)) if job.detokenize else 0,
                 from_replica=self.config.replica_id)))
@@ -514,11 +517,13 @@ class EngineWorker(Worker):
                 item.span.set_attribute("oserve.cancelled", "fenced")
                 item.span.end()
         requeue = [item.job.request_id for item in items]
+        owners = [item.owner for item in items]
         self._idle.set()
         self._wake.set()
         for i in range(0, len(requeue), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.completions(), encode(Completed(
                 replica_id=self.config.replica_id, items=[], requeue=requeue[i:i + EVENT_BATCH_ITEMS],
+                requeue_owners=owners[i:i + EVENT_BATCH_ITEMS],
                 **self.clock.stamp())))
         await self._send_heartbeat()
 
@@ -588,7 +593,7 @@ class EngineWorker(Worker):
             return
         ended: list[tuple[_InFlight, Finished, bytes]] = []
         completions: list[Completion] = []
-        released: list[str] = []
+        released: list[tuple[str, str]] = []
         for f in done:
             item = self._inflight.pop(f.seq, None)
             if item is None:
@@ -599,7 +604,7 @@ class EngineWorker(Worker):
             self._streams.discard(job.seq)
             if f.error:
                 payload = encode(ErrorReply(request_id=job.request_id, code=ErrorCode.INVALID, message=f.error))
-                released.append(job.request_id)
+                released.append((job.request_id, item.owner))
             else:
                 ttft_s, e2e_s = f.first_token_s - job.arrival_s, f.finish_s - job.arrival_s
                 if streamed and f.output_tokens > item.sent_tokens:  # the rest before the final reply
@@ -611,7 +616,7 @@ class EngineWorker(Worker):
                 completions.append(Completion(
                     request_id=job.request_id, replica_id=self.config.replica_id, input_tokens=job.input_tokens,
                     output_tokens=f.output_tokens, type_index=job.type_index, ttft_s=ttft_s, e2e_s=e2e_s,
-                    finished_at_s=f.finish_s))
+                    finished_at_s=f.finish_s, owner=item.owner))
                 self._window_e2e.append(e2e_s)
             self._remember(f"{item.key} {item.fingerprint}", payload)
             ended.append((item, f, payload))
@@ -696,11 +701,13 @@ class EngineWorker(Worker):
         released, self._released = self._released, []
         await self._publish_completed([], released)
 
-    async def _publish_completed(self, items: list[Completion], released: list[str]) -> None:
+    async def _publish_completed(self, items: list[Completion], released: list[tuple[str, str]]) -> None:
+        """`released`: (request id, `owner_of`) pairs."""
         for i in range(0, max(len(items), len(released)), EVENT_BATCH_ITEMS):
+            part = released[i:i + EVENT_BATCH_ITEMS]
             await self.nc.publish(self.config.subjects.completions(), encode(Completed(
                 replica_id=self.config.replica_id, items=items[i:i + EVENT_BATCH_ITEMS],
-                released=released[i:i + EVENT_BATCH_ITEMS], **self.clock.stamp())))
+                released=[rid for rid, _ in part], released_owners=[o for _, o in part], **self.clock.stamp())))
 
     async def _flush_loop(self) -> None:
         while True:

@@ -11,6 +11,7 @@ replica is still starting cancels the start.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass, field, replace
 
@@ -21,7 +22,8 @@ from opentelemetry.trace import Tracer
 from oserve.defaults import GPUS_PER_NODE
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
-from oserve.streams.schemas import (DrainReplica, HostCommand, ReplicaDrained, ReplicaFailed, ReplicaReady,
+from oserve.streams.jetstream import EventPublisher
+from oserve.streams.schemas import (CommandAck, DrainReplica, HostCommand, ReplicaDrained, ReplicaFailed, ReplicaReady,
                                     SendWeights, StartReplica, WeightsReceived, WeightsSent, encode)
 from oserve.switch.wire import Rendezvous
 from oserve.streams.subjects import Subjects
@@ -36,6 +38,8 @@ SEND_REPORT_WAIT_WALL_S = 5.0
 """A replica retired by the switch it sent weights for is stopped once its part is reported (`WeightsSent`),
 or after this long: the new replicas verified every byte before the switch retired it, so only the report is
 left (its ranks are polled once a second)."""
+COMMAND_IDS_KEPT = 4096
+"""Acknowledged command ids a host remembers, so a command sent again is not run twice."""
 RETIRE_WAIT_WALL_S = 60.0
 """A start of a replica id whose earlier engine is still draining waits for it, this long at most (its drain
 times out after `EngineWorkerConfig.drain_timeout_wall_s`, 30 s, then its engine stops)."""
@@ -72,9 +76,14 @@ class EngineHost(Worker):
     name = "engine-host"
 
     def __init__(self, nc: NATS, config: EngineHostConfig, clock: Clock, *, tracer: Tracer | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, events: EventPublisher | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer = nc, config, clock, tracer
+        self.events = events or EventPublisher(nc, None)
+        """Replica events go out through it: acknowledged by the plans stream where there is one."""
+        self._command_ids: collections.OrderedDict[str, None] = collections.OrderedDict()  # acknowledged ones
+        self.num_duplicate_commands = 0
+        """Commands sent again with an id this host had (acknowledged again, not run twice)."""
         self.metrics = metrics
         """Handed to every engine it starts (None: no metrics)."""
         self.engines: dict[str, EngineWorker] = {}
@@ -97,7 +106,20 @@ class EngineHost(Worker):
         return [self._command_loop]
 
     async def _on_command(self, cmd: HostCommand, msg: Msg) -> None:
-        self._queue.put_nowait((cmd, msg.headers))  # type: ignore[arg-type]
+        cid = cmd.command_id
+        duplicate = bool(cid) and cid in self._command_ids
+        if duplicate:
+            self.num_duplicate_commands += 1
+        else:
+            self._queue.put_nowait((cmd, msg.headers))  # type: ignore[arg-type]
+            if cid:
+                self._command_ids[cid] = None
+                while len(self._command_ids) > COMMAND_IDS_KEPT:
+                    self._command_ids.popitem(last=False)
+        # acknowledged only on an acknowledgement subject: a command's reply is never published anywhere else
+        if cid and msg.reply and self.config.subjects.is_control_ack(msg.reply):
+            await self.nc.publish(msg.reply, encode(CommandAck(host_id=self.config.host_id, command_id=cid,
+                                                               duplicate=duplicate)))
 
     async def _command_loop(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -120,7 +142,7 @@ class EngineHost(Worker):
                                                   reason=f"{type(exc).__name__}: {exc}"), headers)
 
     async def _publish(self, event, headers) -> None:
-        await self.nc.publish(self.config.subjects.plan_event("replica"), encode(event), headers=headers)
+        await self.events.publish(self.config.subjects.plan_event("replica"), encode(event), headers)
 
     async def _receive_weights(self, backend: VllmBackend, cmd: StartReplica, headers) -> bool:
         """A new replica's engine (started with dummy weights) receives its shards in a live switch, verified, and
@@ -226,17 +248,14 @@ class EngineHost(Worker):
                 self._starting.discard(rid)
                 self._cancelled_starts.discard(rid)
         if rid in self.engines:
-            await self.nc.publish(self.config.subjects.plan_event("replica"),
-                                  encode(ReplicaReady(strategy_id=cmd.strategy_id, replica_id=rid)), headers=headers)
+            await self._publish(ReplicaReady(strategy_id=cmd.strategy_id, replica_id=rid), headers)
 
     async def _drain_replica(self, cmd: DrainReplica, headers) -> None:
         engine = self.engines.pop(cmd.replica_id, None)
         if engine is None:
             if cmd.replica_id in self._starting:  # still loading: cancel the start, nothing to drain
                 self._cancelled_starts.add(cmd.replica_id)
-                await self.nc.publish(self.config.subjects.plan_event("replica"),
-                                      encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
-                                      headers=headers)
+                await self._publish(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id), headers)
             return
         self._retiring[cmd.replica_id] = engine  # the host's own drain and stop still see it
         await engine.drain_migrating(cmd.migrate_after_s)
@@ -245,9 +264,7 @@ class EngineHost(Worker):
             await asyncio.wait([sending], timeout=SEND_REPORT_WAIT_WALL_S)
         await _stop_engine(engine)
         self._retiring.pop(cmd.replica_id, None)  # not on cancellation: the host's stop stops it
-        await self.nc.publish(self.config.subjects.plan_event("replica"),
-                              encode(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id)),
-                              headers=headers)
+        await self._publish(ReplicaDrained(strategy_id=cmd.strategy_id, replica_id=cmd.replica_id), headers)
 
     async def _drain(self) -> None:
         await asyncio.gather(*(e.drain() for e in [*self.engines.values(), *self._retiring.values()]))

@@ -38,6 +38,7 @@ from oserve.forecast.gate import GatedForecaster
 from oserve.forecast.registry import forecaster_from_dict
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import inject, messaging_attributes, messaging_span_name
+from oserve.streams.jetstream import EventPublisher
 from oserve.streams.schemas import Arrived, Completed, ForecastMade, encode
 from oserve.streams.subjects import Subjects
 from oserve.workers.base import Worker
@@ -77,9 +78,12 @@ class ForecasterStage(Worker):
     def __init__(self, nc: NATS, config: ForecasterConfig, clock: Clock, *, forecaster: GatedForecaster | None = None,
                  types: WorkloadTypes | None = None, tracer: Tracer | None = None,
                  js: JetStreamContext | None = None, store: ObjectStore | None = None,
-                 class_names: tuple[str, ...] = (), metrics: Metrics | None = None) -> None:
+                 class_names: tuple[str, ...] = (), metrics: Metrics | None = None,
+                 events: EventPublisher | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.js, self.store = nc, config, clock, tracer, js, store
+        self.events = events or EventPublisher(nc, None)
+        """Forecast events go out through it: acknowledged by the plans stream where there is one."""
         self.metrics = metrics
         """Each forecast's observed and forecast rates per type, errors, misclassification (None: no metrics)."""
         self.forecaster = forecaster or GatedForecaster(LastValue(config.num_types), config.span_s)
@@ -272,6 +276,6 @@ class ForecasterStage(Worker):
                                 **messaging_attributes(subject, "send", "publish", message_id=f"span{span}",
                                                        body_size_bytes=len(payload))}) as sp:
                 headers = inject(sp)
-        await self.nc.publish(subject, payload, headers=headers)
+        await self.events.publish(subject, payload, headers)
         self.num_events += 1
         return ev

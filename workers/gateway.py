@@ -4,7 +4,13 @@
 - Validation at the edge (`decode_submit`): any bad input gets a structured `ErrorReply` naming the
   request when its id can be read, never a crash or a silence. The reply subject must be an inbox
   (`reply_error`, `GatewayConfig.reply_roots`): a request with another, or none, is dropped unanswered
-  (`num_bad_reply`), as the engine would publish its answer there with a worker's permissions.
+  (`num_bad_reply`), as the engine would publish its answer there with a worker's permissions. On a
+  user's own subject (`Subjects.user_submit`, which permissions let only that user publish on) the reply
+  must be that user's inbox (`Subjects.user_inbox_root`), so an authenticated client's answers go to
+  itself alone; cancels there may name only its own inboxes.
+- Several gateways: an engine names the owner (`owner_of`: gateway and client) of each request in its
+  `Completed` events, and a gateway clears, re-dispatches or migrates only what it holds for that client,
+  so two clients that chose one request id on two gateways never touch each other's request.
 - Classification at arrival by the online estimator (`oserve.online_types.OnlineTypes`, as fitted
   before serving: input length, the client's max tokens or output hint, its `client` tag), which keeps
   learning from the engines' completions (true lengths, known only then) with the same features. Routing by the one rule every plan is
@@ -79,7 +85,7 @@ from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest,
                                     CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Ping, Pong,
                                     SchemaError, SubmitRequest, decode, decode_submit, encode, fingerprint,
                                     request_id_of)
-from oserve.streams.subjects import Subjects, dedupe_key, reply_error
+from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 from oserve.online_types import OnlineTypes
@@ -335,7 +341,10 @@ class Gateway(Worker):
             await self.nc.subscribe(s.completions(), cb=self._on_completed),
             await self.nc.subscribe(s.plan_event("assignment"), cb=self._on_assignment),
             await self.nc.subscribe(s.cancel(), cb=self._on_cancel),  # all gateways: the owner acts
-            await self.nc.subscribe(s.submit(), queue=self.config.queue_group, cb=self._on_submit),  # last: drain
+            await self.nc.subscribe(s.users_cancel(), cb=self._on_cancel),
+            # last: drain
+            await self.nc.subscribe(s.users_submit(), queue=self.config.queue_group, cb=self._on_submit),
+            await self.nc.subscribe(s.submit(), queue=self.config.queue_group, cb=self._on_submit),
         ]
 
     def _loops(self):
@@ -470,10 +479,20 @@ class Gateway(Worker):
             log.exception("%s: submit handler failed", self.config.gateway_id)
             if self.metrics is not None:
                 self.metrics.rejected.labels(ErrorCode.INTERNAL).inc()
-            if msg.reply and reply_error(msg.reply, self._reply_roots) is None:
+            if msg.reply and reply_error(msg.reply, self._reply_roots) is None and \
+                    self._not_users_inbox(msg.subject, msg.reply) is None:
                 await self.nc.publish(msg.reply, encode(ErrorReply(request_id=request_id_of(msg.data),
                                                                    code=ErrorCode.INTERNAL,
                                                                    message=type(exc).__name__)))
+
+    def _not_users_inbox(self, subject: str, inbox: str) -> str | None:
+        """Why `inbox` may not take answers to what came on `subject`: on a user's own subject
+        (`Subjects.user_submit`) it must be that user's inbox, so what a client sends is answered to itself
+        alone. None when it may (any inbox on the shared subject: `reply_error` checks it)."""
+        user = self.config.subjects.user_of(subject)
+        if user is None or inbox.startswith(self.config.subjects.user_inbox_root(user) + "."):
+            return None
+        return f"on {subject} the reply must be {user}'s own inbox ({self.config.subjects.user_inbox_root(user)}.…)"
 
     async def _reject(self, msg: Msg, request_id: str, code: str, message: str) -> None:
         self.num_rejected += 1
@@ -515,7 +534,7 @@ class Gateway(Worker):
                                                       **messaging_attributes(msg.subject, "process", "process",
                                                                              body_size_bytes=len(msg.data))})
         try:
-            bad_reply = reply_error(msg.reply, self._reply_roots)
+            bad_reply = reply_error(msg.reply, self._reply_roots) or self._not_users_inbox(msg.subject, msg.reply)
             if bad_reply is not None:
                 # never publish to it: it could be a control subject, a stream, another client's inbox
                 self.num_bad_reply += 1
@@ -666,6 +685,9 @@ class Gateway(Worker):
             self.num_errors += 1
             return
         assert isinstance(c, CancelRequest)
+        if self._not_users_inbox(msg.subject, c.inbox) is not None:  # a user cancels only its own requests
+            self.num_cancels_ignored += 1
+            return
         p = self.pending.get(c.request_id)
         if p is None and "." in c.inbox:  # perhaps before its submit: kept a while (EARLY_CANCEL_WALL_S)
             now = asyncio.get_running_loop().time()
@@ -697,23 +719,37 @@ class Gateway(Worker):
         if r is not None:
             r.completed += len(c.items)
         for item in c.items:
-            p = pending.pop(item.request_id, None)
+            p = self._held(item.request_id, item.owner)
+            if p is not None:
+                del pending[item.request_id]
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
-        for request_id in c.released:  # answered with an error, or from the cache: not to be re-dispatched
-            pending.pop(request_id, None)
-        for request_id in c.requeue:  # dropped unanswered by a fenced engine: dispatched again, if still there
-            p = pending.get(request_id)
+        owners = c.released_owners if len(c.released_owners) == len(c.released) else [""] * len(c.released)
+        for request_id, owner in zip(c.released, owners):  # answered with an error, or from the cache: not to be re-dispatched
+            if self._held(request_id, owner) is not None:
+                del pending[request_id]
+        owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
+        for request_id, owner in zip(c.requeue, owners):  # dropped unanswered by a fenced engine: dispatched again
+            p = self._held(request_id, owner)
             if p is not None and p.replica_id == c.replica_id:
                 self.num_requeued += 1
                 await self._redispatch(request_id, p)
         for m in c.migrated:  # handed over mid-answer by a retiring replica: continued on a new one
-            p = pending.get(m.request_id)
+            p = self._held(m.request_id, m.owner)
             if p is not None and p.replica_id == c.replica_id:
                 self.num_migrated += 1
                 p.dispatch = msgspec.structs.replace(p.dispatch, resume=m.resume)
                 await self._redispatch(m.request_id, p, migrated=True)
+
+    def _held(self, request_id: str, owner: str) -> _Pending | None:
+        """The request this gateway holds under `request_id`, if a `Completed` entry naming `owner` is about it:
+        the entry names this gateway and that request's client (`owner_of`), or no owner at all (an older
+        engine). Another gateway's request, or another client's under the same id, is not ours to touch."""
+        p = self.pending.get(request_id)
+        if p is None or (owner and owner != owner_of(self.config.gateway_id, p.reply)):
+            return None
+        return p
 
     # --- nothing lost --------------------------------------------------------------------------------
 

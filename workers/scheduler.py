@@ -42,6 +42,7 @@ from oserve.planner.oserve import OServePlanner
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import ArrivalPattern
 from oserve.specs import Deployment, Replica, ReplicaShape
+from oserve.streams.jetstream import EventPublisher
 from oserve.streams.schemas import (Arrived, Completed, Completion, ForecastMade, Heartbeat, ReplicaSpec,
                                     StrategyChosen, decode, encode)
 from oserve.streams.subjects import Subjects
@@ -129,9 +130,12 @@ class SchedulerWorker(Worker):
 
     def __init__(self, nc: NATS, kv: KeyValue, config: SchedulerConfig, clock: Clock,
                  planner: SelfCorrectingPlanner | OServePlanner | StaticPlanner, initial_rps: np.ndarray, *,
-                 tracer: Tracer | None = None, metrics: Metrics | None = None) -> None:
+                 tracer: Tracer | None = None, metrics: Metrics | None = None,
+                 events: EventPublisher | None = None) -> None:
         super().__init__()
         self.nc, self.kv, self.config, self.clock, self.planner, self.tracer = nc, kv, config, clock, planner, tracer
+        self.events = events or EventPublisher(nc, None)
+        """Strategy events go out through it: acknowledged by the plans stream where there is one."""
         self.metrics = metrics
         """Each decision's label and wall time, and overruns of its budget (None: no metrics)."""
         k = len(planner.class_names)
@@ -305,7 +309,7 @@ class SchedulerWorker(Worker):
                 await self.kv.put(Subjects.STRATEGY_KEY, encode(s))
                 headers_out = inject(span) if span is not None else {}
                 headers_out[MSG_ID] = f"{self._run_id}:{strategy_id}"
-                await self.nc.publish(self.config.subjects.plan_event("strategy"), encode(s), headers=headers_out)
+                await self.events.publish(self.config.subjects.plan_event("strategy"), encode(s), headers_out)
                 self.strategies.append(s)
                 if self.metrics is not None:
                     self.metrics.decision_made(s.label, took, over_budget=over_budget)

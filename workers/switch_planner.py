@@ -19,15 +19,25 @@ Between switches it keeps the deployment in force alive: a replica of it silent 
 `restart_after_wall_s` — its engine host was killed and restarted empty, or lost the replica — is
 started again on its host (`StartReplica`, a reload: `ENGINE_START_S` of clock time), at most once per
 `restart_after_wall_s`, and each such restart is published as `ReplicaRestarted`.
+
+Acknowledged control: every command carries an id and asks its host for a `CommandAck` on this worker's own
+acknowledgement subject (`Subjects.control_ack`); one not acknowledged within `command_ack_wall_s` is sent
+again with the same id (the host runs an id once), `command_attempts` times at most, and commands to several
+replicas go out together. Switch and assignment events are published through an `EventPublisher`: with the
+plans stream there, each is acknowledged by JetStream (its `PubAck`) and published again until it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 
+import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
@@ -38,7 +48,8 @@ from oserve.errors import ConfigError, OServeError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name
 from oserve.specs import ClusterSpec, Deployment, ModelSpec, Replica, ReplicaShape
-from oserve.streams.schemas import (AssignmentSet, DrainReplica, Heartbeat, ReplicaDrained, ReplicaEvent,
+from oserve.streams.jetstream import EventPublisher
+from oserve.streams.schemas import (AssignmentSet, CommandAck, DrainReplica, Heartbeat, ReplicaDrained, ReplicaEvent,
                                     ReplicaFailed, ReplicaReady, ReplicaRestarted, ReplicaSpec, SendWeights,
                                     StartReplica, StrategyChosen, SwitchCompleted, SwitchPlanned, SwitchRolledBack,
                                     WeightSession, WeightsReceived, WeightsSent, encode)
@@ -84,6 +95,12 @@ class SwitchPlannerConfig:
     """A retiring replica finishes its requests in place for this long (wall seconds), then hands what still
     runs over to the new replicas with what it generated (`DrainReplica.migrate_after_s`); None: it finishes
     everything in place."""
+    command_ack_wall_s: float = 2.0
+    """Wall seconds a command (`StartReplica`, `DrainReplica`, `SendWeights`) waits for its host's `CommandAck`
+    before it is sent again, with the same id (the host runs it once)."""
+    command_attempts: int = 3
+    """Sends of one command before it is given up as unacknowledged (logged and counted; the switch's ready
+    timeout rolls it back, the restart loop starts a silent replica again)."""
 
     def __post_init__(self) -> None:
         if not self.host_ids or self.gpus_per_node < 1 or self.ready_slack_wall_s <= 0:
@@ -93,6 +110,9 @@ class SwitchPlannerConfig:
             raise ConfigError(f"SwitchPlannerConfig: transfer_timeout_s > 0, chunk_bytes >= 1 and migrate_after_wall_s "
                               f">= 0 (or None) required, got {self.transfer_timeout_s}, {self.chunk_bytes}, "
                               f"{self.migrate_after_wall_s}")
+        if not self.command_ack_wall_s > 0 or self.command_attempts < 1:
+            raise ConfigError(f"SwitchPlannerConfig: command_ack_wall_s > 0 and command_attempts >= 1 required, got "
+                              f"{self.command_ack_wall_s}, {self.command_attempts}")
         if not self.restart_after_wall_s >= 0 or not self.restart_ready_after_s >= 0:
             raise ConfigError(f"SwitchPlannerConfig: restart_after_wall_s and restart_ready_after_s must be >= 0, "
                               f"got {self.restart_after_wall_s}, {self.restart_ready_after_s}")
@@ -105,9 +125,20 @@ class SwitchPlannerWorker(Worker):
 
     def __init__(self, nc: NATS, config: SwitchPlannerConfig, clock: Clock, *, tracer: Tracer | None = None,
                  kv: KeyValue | None = None, model: ModelSpec | None = None, cluster: ClusterSpec | None = None,
-                 metrics: Metrics | None = None, served_model: ModelSpec | None = None) -> None:
+                 metrics: Metrics | None = None, served_model: ModelSpec | None = None,
+                 events: EventPublisher | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
+        self.publisher = events or EventPublisher(nc, None)
+        """Switch and assignment events go out through it: acknowledged by the plans stream where there is one."""
+        self._commander = uuid.uuid4().hex[:16]  # this worker's acknowledgement subjects (`Subjects.control_ack`)
+        self._command_seq = itertools.count(1)
+        self._acks: dict[str, asyncio.Future] = {}  # command id -> its acknowledgement, while awaited
+        self.num_commands = 0
+        self.num_command_resends = 0
+        """Commands sent again because no acknowledgement came in time."""
+        self.num_unacked_commands = 0
+        """Commands no send of which was acknowledged."""
         self.metrics = metrics
         """The deployment serving, switches by outcome and their wall time (None: no metrics)."""
         self.model, self.cluster = model, cluster
@@ -132,7 +163,13 @@ class SwitchPlannerWorker(Worker):
         s = self.config.subjects
         return [await self.nc.subscribe(s.plan_event("strategy"), cb=self.typed(StrategyChosen, self._on_strategy)),
                 await self.nc.subscribe(s.plan_event("replica"), cb=self.typed(ReplicaEvent, self._on_replica)),
-                await self.nc.subscribe(s.heartbeats(), cb=self.typed(Heartbeat, self._on_heartbeat))]
+                await self.nc.subscribe(s.heartbeats(), cb=self.typed(Heartbeat, self._on_heartbeat)),
+                await self.nc.subscribe(s.control_acks(self._commander), cb=self.typed(CommandAck, self._on_ack))]
+
+    async def _on_ack(self, ack: CommandAck, msg: Msg) -> None:
+        waiting = self._acks.get(ack.command_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(ack)
 
     def _loops(self):
         return [self._switch_loop] + ([self._restart_loop] if self.config.restart_after_wall_s > 0 else [])
@@ -218,7 +255,7 @@ class SwitchPlannerWorker(Worker):
         self.events.append(tag)
         out = dict(headers) if headers else {}
         out[MSG_ID] = f"{ev.strategy_id}:{tag}:{len(self.events)}"
-        await self.nc.publish(self.config.subjects.plan_event("switch"), encode(ev), headers=out)
+        await self.publisher.publish(self.config.subjects.plan_event("switch"), encode(ev), out)
 
     def transfer_plan(self, s: StrategyChosen) -> SwitchPlan | None:
         """The core switch planner's plan from the serving deployment to the strategy's (None without a
@@ -267,17 +304,44 @@ class SwitchPlannerWorker(Worker):
         return session, {r.replica_id: weights(r.replica_id, False) for r in start}, \
             {rid: weights(rid, True) for rid in senders}
 
-    async def _command(self, spec_or_id, cmd, headers) -> None:
+    async def _command(self, spec_or_id, cmd, headers) -> bool:
+        """Send a command to its replica's host and wait for the host's acknowledgement, sending it again (the
+        same id: run once) while none comes, `command_attempts` times at most; True once acknowledged."""
         host = self.host_of(spec_or_id) if isinstance(spec_or_id, ReplicaSpec) else \
             self.host_of(self.current.get(spec_or_id, ReplicaSpec(replica_id=spec_or_id, tp=1, pp=1, gpu_ids=[])))
-        await self.nc.publish(self.config.subjects.host_control(host), encode(cmd), headers=headers)
+        n = next(self._command_seq)
+        cid = f"{self._commander}-{n}"
+        data = encode(msgspec.structs.replace(cmd, command_id=cid))
+        reply = self.config.subjects.control_ack(self._commander, n)
+        waiting = self._acks[cid] = asyncio.get_running_loop().create_future()
+        self.num_commands += 1
+        try:
+            for attempt in range(self.config.command_attempts):
+                if attempt:
+                    self.num_command_resends += 1
+                    log.warning("switch planner: %s for %s not acknowledged by host %s in %.1f s; sending it again",
+                                type(cmd).__name__, spec_or_id if isinstance(spec_or_id, str) else spec_or_id.replica_id,
+                                host, self.config.command_ack_wall_s)
+                try:
+                    await self.nc.publish(self.config.subjects.host_control(host), data, reply=reply,
+                                          headers=dict(headers) if headers else None)
+                    await asyncio.wait_for(asyncio.shield(waiting), self.config.command_ack_wall_s)
+                    return True
+                except (TimeoutError, nats.errors.Error, OSError):
+                    continue
+            self.num_unacked_commands += 1
+            log.warning("switch planner: host %s acknowledged no send of %s (%d tries); the switch's timeout and "
+                        "the restart loop take over", host, type(cmd).__name__, self.config.command_attempts)
+            return False
+        finally:
+            self._acks.pop(cid, None)
 
     async def _flip(self, s: StrategyChosen, headers) -> None:
         """Point the routers at the strategy's assignment (and record it for routers that start later)."""
         assignment = encode(AssignmentSet(strategy_id=s.strategy_id, weights=s.weights, shares=s.shares))
         if self.kv is not None:
             await self.kv.put(Subjects.ASSIGNMENT_KEY, assignment)
-        await self.nc.publish(self.config.subjects.plan_event("assignment"), assignment, headers=headers)
+        await self.publisher.publish(self.config.subjects.plan_event("assignment"), assignment, headers)
 
     async def switch(self, s: StrategyChosen, headers=None) -> bool:
         """Carry out one strategy; True when it is serving, False when rolled back."""
@@ -316,13 +380,17 @@ class SwitchPlannerWorker(Worker):
                             if self.config.live_transfer and plan else None)
                 if sessions is not None:
                     session, weights_of, sources = sessions
-                    for rid, w in sources.items():  # the serving replicas send while they go on serving
-                        await self._command(rid, SendWeights(strategy_id=s.strategy_id, replica_id=rid, weights=w), hdr)
+                    # the serving replicas send while they go on serving (commands to several hosts go out
+                    # together, each sent again until its host acknowledges it)
+                    await asyncio.gather(*(self._command(rid, SendWeights(strategy_id=s.strategy_id, replica_id=rid,
+                                                                          weights=w), hdr)
+                                           for rid, w in sources.items()))
                 else:
                     weights_of = {}
-                for r in start:
-                    await self._command(r, StartReplica(strategy_id=s.strategy_id, replica=r, ready_after_s=s.switch_s,
-                                                        weights=weights_of.get(r.replica_id)), hdr)
+                await asyncio.gather(*(self._command(r, StartReplica(strategy_id=s.strategy_id, replica=r,
+                                                                     ready_after_s=s.switch_s,
+                                                                     weights=weights_of.get(r.replica_id)), hdr)
+                                       for r in start))
                 need = {r.replica_id for r in start}
                 timeout = self.clock.to_wall_s(s.switch_s) + self.config.ready_slack_wall_s
 
@@ -337,8 +405,10 @@ class SwitchPlannerWorker(Worker):
                 if not need <= self._ready:
                     if session is not None:
                         session.abort("rolled back")
-                    for r in start:  # roll back: the old deployment never stopped serving
-                        await self._command(r, DrainReplica(strategy_id=s.strategy_id, replica_id=r.replica_id), hdr)
+                    # roll back: the old deployment never stopped serving
+                    await asyncio.gather(*(self._command(r, DrainReplica(strategy_id=s.strategy_id,
+                                                                         replica_id=r.replica_id), hdr)
+                                           for r in start))
                     reason = ("; ".join(f"{rid}: {why}" for rid, why in sorted(self._failed.items())) if self._failed
                               else f"replicas not ready after {timeout:.1f} s: {sorted(need - self._ready)}")
                     await self._publish_switch(SwitchRolledBack(strategy_id=s.strategy_id, reason=reason), hdr)
@@ -347,9 +417,10 @@ class SwitchPlannerWorker(Worker):
                     return False
             # every new replica serves: flip the router, then retire the old ones
             await self._flip(s, hdr)
-            for rid in retire:
-                await self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid,
-                                                      migrate_after_s=self.config.migrate_after_wall_s), hdr)
+            await asyncio.gather(*(self._command(rid, DrainReplica(strategy_id=s.strategy_id, replica_id=rid,
+                                                                   migrate_after_s=self.config.migrate_after_wall_s),
+                                                 hdr)
+                                   for rid in retire))
             self.current = target
             self.strategy_id = s.strategy_id
             took_wall_s = time.monotonic() - started

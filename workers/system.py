@@ -35,7 +35,7 @@ from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
 from oserve.specs import Deployment, cluster_for_gpus, model_preset
 from oserve.streams.client import ClientError, OServeClient, RequestRejected
-from oserve.streams.jetstream import StreamLimits, ensure_model_store, ensure_streams
+from oserve.streams.jetstream import EventPublisher, StreamLimits, ensure_model_store, ensure_streams
 from oserve.streams.schemas import BYTES_PER_TOKEN, CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
 from oserve.streams.subjects import Subjects
 from oserve.traces import Trace, load_trace
@@ -260,12 +260,17 @@ class LiveSystem:
         self.forecaster: ForecasterStage | None = None
         self.scheduler: SchedulerWorker | None = None
         self.switcher: SwitchPlannerWorker | None = None
+        self.events: EventPublisher | None = None
+        """The control events' publisher the workers share (its counts: acknowledged, retried, unacknowledged)."""
         self.http = None  # the OpenAI-compatible front (`OpenAIFront`), when `http` is among the workers
 
     async def start(self) -> None:
         cfg, clock, nc, metrics = self.config, self.clock, self.nc, self.metrics
         tracer = self.tracing.tracer_for  # one service per worker: oserve-gateway, oserve-engine, ...
         kv = await ensure_streams(nc.jetstream(), cfg.subjects, StreamLimits(num_replicas=cfg.js_replicas))
+        # control events (replica, switch, assignment, strategy, forecast) acknowledged by the plans stream
+        events = EventPublisher(nc, nc.jetstream())
+        self.events = events
         ctx = self.inputs.ctx
         gpn = ctx.cluster.gpus_per_node
         w = set(cfg.workers)
@@ -275,7 +280,7 @@ class LiveSystem:
                                                         gpus_per_node=gpn, backend=cfg.engine, vllm=cfg.vllm,
                                                         fence_after_wall_s=cfg.fence_after_wall_s,
                                                         heartbeat_interval_wall_s=cfg.heartbeat_interval_wall_s),
-                                   clock, tracer=tracer("engine"), metrics=metrics)
+                                   clock, tracer=tracer("engine"), metrics=metrics, events=events)
             await self.host.start()
         if "gateway" in w:
             self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, max_context_tokens=cfg.max_context_tokens(ctx),
@@ -291,7 +296,8 @@ class LiveSystem:
                                                                         **live),
                                                 clock, tracer=tracer("switch-planner"), kv=kv, model=ctx.model,
                                                 cluster=ctx.cluster, metrics=metrics,
-                                                served_model=served_model_spec(cfg.vllm) if cfg.engine == "vllm" else None)
+                                                served_model=served_model_spec(cfg.vllm) if cfg.engine == "vllm" else None,
+                                                events=events)
             await self.switcher.start()
         if "forecaster" in w:
             prior = self.inputs.prior
@@ -300,12 +306,12 @@ class LiveSystem:
                 clock, forecaster=live_forecaster(cfg, prior), types=prior.types, tracer=tracer("forecaster"),
                 metrics=metrics, js=nc.jetstream(),
                 store=await ensure_model_store(nc.jetstream(), cfg.subjects, cfg.js_replicas),
-                class_names=prior.class_names)
+                class_names=prior.class_names, events=events)
             await self.forecaster.start()
         if "scheduler" in w:
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
                                              self.inputs.planner, self.inputs.initial_rps, tracer=tracer("scheduler"),
-                                             metrics=metrics)
+                                             metrics=metrics, events=events)
             await self.scheduler.start()
         if "http" in w:  # a producer of requests: last; imported here, so FastAPI loads only when it serves
             from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront
