@@ -255,6 +255,9 @@ class OServeClient:
         self._reconnected_at = -float("inf")
         self.num_duplicates = 0
         """Answers that came to an inbox after its first answer (a request answered twice)."""
+        self.num_late_statuses = 0
+        """NATS "no responders" statuses that came to an inbox after its answer (a resend that reached no
+        gateway): not answers, so not duplicates."""
         self.num_late = 0
         """First answers that came after the client stopped waiting (timed out, cancelled, connection lost)."""
         self.num_resent = 0
@@ -663,8 +666,13 @@ class OServeClient:
             self._count_extra(msg.subject, msg)
 
     def _count_extra(self, inbox: str, msg) -> None:
-        """Count a message that came to `inbox` after its wait took its answer, or after it gave up."""
+        """Count a message that came to `inbox` after its wait took its answer, or after it gave up. NATS's
+        "no responders" status after the answer is not a second answer (one of the request's publishes, a
+        resend while no gateway listened, reached nobody): counted apart (`num_late_statuses`)."""
         if not _is_answer(msg):
+            return
+        if self._done.get(inbox) and msg.headers and msg.headers.get(nats.js.api.Header.STATUS) == _NO_RESPONDERS:
+            self.num_late_statuses += 1
             return
         if self._done.get(inbox):
             self.num_duplicates += 1

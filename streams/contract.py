@@ -86,6 +86,10 @@ _GROUPS: tuple[_Group, ...] = (
            "Requests the gateways accepted (batched)."),
     _Group("completions", Subjects.completions, "event", Subjects.stream_completions, ("completed.v1",),
            "Requests the engines answered, with true output lengths (batched)."),
+    _Group("ownership", lambda s: s.ownership("GATEWAY_ID"), "event", Subjects.stream_ownership,
+           ("owned.v1", "settled.v1"),
+           "Workers only: one gateway's journal of the requests it owns (before it tells a client it accepted one) "
+           "and of those it no longer owns; a gateway restarted under the same id takes back the rest."),
     _Group("plan.forecast", lambda s: s.plan_event("forecast"), "event", Subjects.stream_plans, ("forecast.v1",),
            "At each span boundary: the span's per-type arrivals and the next span's forecast rates."),
     _Group("plan.strategy", lambda s: s.plan_event("strategy"), "event", Subjects.stream_plans, ("strategy.v1",),

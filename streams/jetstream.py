@@ -4,6 +4,8 @@ Streams (file storage, so a NATS restart loses nothing):
 - arrivals: `Arrived` events from the gateways (the forecaster's input);
 - completions: `Completed` events from the engines (true output lengths);
 - plans: forecast, strategy, assignment and switch events;
+- ownership: each gateway's journal of the requests it owns (`Owned`, `Settled`), an hour long
+  (`StreamLimits.ownership_max_age_s`), so a gateway restarted after a crash takes them back;
 - telemetry: heartbeats and telemetry (published on core NATS for the router; captured here with a short
   age and size bound, `StreamLimits.telemetry_max_age_s`, so a telemetry consumer reads recent history).
 The plans and telemetry streams allow direct get (`$JS.API.DIRECT.GET.<stream>`), so a read-only user
@@ -49,6 +51,9 @@ class StreamLimits:
     second, so an hour is about 7,200 messages (1.5 MB) per replica."""
     telemetry_max_bytes: int = 256 << 20
     """Bytes kept in the telemetry stream; the oldest go first."""
+    ownership_max_age_s: float = 3600.0
+    """The gateways' journals (`Subjects.ownership`) keep an hour: longer than any request may live
+    (`GatewayConfig.max_request_wall_s`, 600 s), so a gateway restarted within it finds all it owned."""
     num_replicas: int = 1
     """Servers that hold a copy of each stream and bucket: 1 for one server, 3 on a 3-node cluster (a
     JetStream stream cannot have more replicas than the cluster has servers; 5 at most)."""
@@ -56,6 +61,8 @@ class StreamLimits:
     def __post_init__(self) -> None:
         if self.max_age_s <= 0 or self.max_bytes <= 0 or self.duplicate_window_s <= 0:
             raise ConfigError(f"StreamLimits must be positive, got {self}")
+        if not self.ownership_max_age_s > 0:
+            raise ConfigError(f"StreamLimits.ownership_max_age_s must be positive, got {self.ownership_max_age_s}")
         if self.telemetry_max_age_s <= 0 or self.telemetry_max_bytes <= 0:
             raise ConfigError(f"StreamLimits: telemetry_max_age_s and telemetry_max_bytes must be positive, got "
                               f"{self.telemetry_max_age_s}, {self.telemetry_max_bytes}")
@@ -72,6 +79,10 @@ def stream_configs(subjects: Subjects, limits: StreamLimits = StreamLimits()) ->
         StreamConfig(name=subjects.stream_arrivals(), subjects=[subjects.arrivals()], **common),
         StreamConfig(name=subjects.stream_completions(), subjects=[subjects.completions()], **common),
         StreamConfig(name=subjects.stream_plans(), subjects=[subjects.plan_events()], allow_direct=True, **common),
+        StreamConfig(name=subjects.stream_ownership(), subjects=[subjects.ownerships()],
+                     # a journal record wraps a whole dispatch (its prompt up to MAX_MESSAGE_BYTES) and its inbox
+                     **{**common, "max_age": limits.ownership_max_age_s, "max_msg_size": 2 * MAX_MESSAGE_BYTES,
+                        "duplicate_window": min(limits.duplicate_window_s, limits.ownership_max_age_s)}),
         StreamConfig(name=subjects.stream_telemetry(), subjects=[subjects.heartbeats(), subjects.all_telemetry()],
                      allow_direct=True,
                      **{**common, "max_age": limits.telemetry_max_age_s, "max_bytes": limits.telemetry_max_bytes,

@@ -311,6 +311,31 @@ class Arrived(_Msg, frozen=True, kw_only=True, tag="arrived.v1"):
     """How many clock seconds pass per wall second on the producer's clock."""
 
 
+class Owned(_Msg, frozen=True, kw_only=True, tag="owned.v1"):
+    """A gateway's journal (`Subjects.ownership`, kept by the ownership stream): it owns this request, held or
+    dispatched to `replica_id`. Published before the request's `Accepted`, on the same connection, so a request
+    a client was told is accepted is in the journal; published again when the request moves (re-dispatched,
+    migrated). A gateway restarted under the same id takes back what its journal says it owned and no
+    `Settled` or completion ended (`Gateway._recover`)."""
+
+    gateway_id: str
+    dispatch: Dispatch
+    reply: str
+    """The client's inbox, where the answer goes."""
+    replica_id: str = ""
+    """Where it was dispatched; "" while held (no replica yet)."""
+    headers: dict[str, str] = {}
+    """Its trace context."""
+
+
+class Settled(_Msg, frozen=True, kw_only=True, tag="settled.v1"):
+    """Requests a gateway no longer owns (answered, refused, cancelled, expired, or completed by an engine),
+    batched: what its journal's `Owned` said is over."""
+
+    gateway_id: str
+    request_ids: list[str]
+
+
 class Completion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     request_id: str
     replica_id: str

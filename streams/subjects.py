@@ -92,6 +92,14 @@ class Subjects:
     def completions(self) -> str:
         return f"{self.prefix}.evt.completed"
 
+    def ownership(self, gateway_id: str) -> str:
+        """One gateway's journal of the requests it owns (`Owned`, `Settled`), kept by the ownership stream so a
+        gateway restarted under the same id takes them back."""
+        return f"{self.prefix}.own.{_check_token('gateway_id', gateway_id)}"
+
+    def ownerships(self) -> str:
+        return f"{self.prefix}.own.*"
+
     def plan_event(self, kind: str) -> str:
         """Control-plane events: `forecast`, `strategy`, `switch`, `replica`, `assignment`."""
         return f"{self.prefix}.plan.{_check_token('kind', kind)}"
@@ -142,6 +150,10 @@ class Subjects:
 
     def stream_plans(self) -> str:
         return f"{self.prefix.upper()}_PLANS"
+
+    def stream_ownership(self) -> str:
+        """The gateways' journals (`ownership`), kept as long as a request may live."""
+        return f"{self.prefix.upper()}_OWNED"
 
     def stream_telemetry(self) -> str:
         """Heartbeats and telemetry, kept for a bounded time so a consumer (`oserve top`) starts with state."""

@@ -226,6 +226,10 @@ async def test_an_answer_that_comes_twice_is_counted(server) -> None:
             await nc.publish(held[0].reply, body)
             await wait_until(lambda: client.num_late == 1 and client.num_duplicates == 4, 5,
                              "the late answer and its duplicate to be counted")
+            # NATS's "no responders" status after an answer (a resend that reached no gateway) is no answer
+            await nc.publish(held[0].reply, b"", headers={"Status": "503"})
+            await wait_until(lambda: client.num_late_statuses == 1, 5, "the status to be seen")
+            assert client.num_duplicates == 4
         await nc.close()
 
     await asyncio.wait_for(main(), 20)

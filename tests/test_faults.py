@@ -561,3 +561,113 @@ async def test_a_replica_with_room_in_its_batch_is_never_refused_for_its_rate(se
         replies = await asyncio.gather(*(client.submit(input_tokens=200, max_tokens=100, sim_output_tokens=100,
                                                        request_id=f"jump{i}", timeout_s=10) for i in range(60)))
         assert len(replies) == 60 and all(isinstance(r, Reply) for r in replies)
+
+
+# --- a gateway crash: what it owned survives in its journal ---------------------------------------------
+
+class _RawClient:
+    """A client with nothing but nats-py: it never sends a request again, so only the system can save it."""
+
+    def __init__(self, nc, subjects) -> None:
+        self.nc, self.subjects, self.got = nc, subjects, []
+
+    async def start(self) -> None:
+        self.inbox = self.nc.new_inbox()
+        await self.nc.subscribe(f"{self.inbox}.*", cb=self._on)
+
+    async def _on(self, msg) -> None:
+        self.got.append(decode_reply(msg.data))
+
+    async def send(self, request_id: str, **kw) -> None:
+        await self.nc.publish(self.subjects.submit(), encode(SubmitRequest(
+            request_id=request_id, ack=True, timeout_s=60, **{"input_tokens": 20, "max_tokens": 8, **kw})),
+            reply=f"{self.inbox}.{request_id}")
+
+    def finals(self, request_id: str) -> list:
+        return [a for a in self.got if isinstance(a, (Reply, ErrorReply)) and a.request_id == request_id]
+
+    def accepted(self, request_id: str) -> bool:
+        from oserve.streams.schemas import Accepted
+        return any(isinstance(a, Accepted) and a.request_id == request_id for a in self.got)
+
+
+async def _journaled_gateway(stack, url: str, subjects, gateway_id: str, **kw) -> tuple:
+    """A gateway with its journal on its own connection (closed abruptly to crash it)."""
+    nc = await nats.connect(url)
+    gw = Gateway(nc, GatewayConfig(subjects=subjects, gateway_id=gateway_id, **kw), Clock(speedup=20.0),
+                 js=nc.jetstream())
+    await gw.start()
+    return nc, gw
+
+
+async def _crash(nc, gw) -> None:
+    """As a SIGKILL would: the connection drops, nothing is drained, answered or settled."""
+    await nc.close()
+    await gw.stop()
+
+
+async def test_a_request_held_by_a_gateway_that_crashed_is_served_by_its_restart(server) -> None:
+    from oserve.streams.jetstream import ensure_streams
+    from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+
+    async with AsyncExitStack() as stack:
+        subjects = unique_subjects()
+        nc = await nats.connect(server.url)
+        stack.push_async_callback(nc.close)
+        await ensure_streams(nc.jetstream(), subjects)
+        client = _RawClient(nc, subjects)
+        await client.start()
+        gw_nc, gw = await _journaled_gateway(stack, server.url, subjects, "gw-a", no_replica_wait_wall_s=30.0)
+        await client.send("held")  # no replica yet: held, and the client is told it is owned
+        await wait_until(lambda: client.accepted("held"), 5, "the gateway to own the request")
+        await _crash(gw_nc, gw)
+        assert client.finals("held") == []
+        engine = await stack.enter_async_context(EngineWorker(nc, EngineWorkerConfig(
+            "r0", subjects=subjects, heartbeat_interval_wall_s=0.05), Clock(speedup=20.0)))
+        gw2_nc, gw2 = await _journaled_gateway(stack, server.url, subjects, "gw-a", no_replica_wait_wall_s=30.0)
+        stack.push_async_callback(gw2_nc.close)
+        stack.push_async_callback(gw2.stop)
+        assert gw2.num_recovered == 1 and "held" in gw2.pending
+        await wait_until(lambda: client.finals("held"), 10, "the restarted gateway to have it served")
+        await asyncio.sleep(0.3)
+        assert [type(a).__name__ for a in client.finals("held")] == ["Reply"] and engine.num_answered == 1
+        await wait_until(lambda: not gw2.pending, 5, "its completion")
+
+
+async def test_a_dispatched_request_whose_replica_died_while_its_gateway_was_down_is_served_once(server) -> None:
+    from oserve.streams.jetstream import ensure_streams
+    from oserve.workers.engine import EngineWorker, EngineWorkerConfig
+
+    async with AsyncExitStack() as stack:
+        subjects = unique_subjects()
+        nc = await nats.connect(server.url)
+        stack.push_async_callback(nc.close)
+        await ensure_streams(nc.jetstream(), subjects)
+        client = _RawClient(nc, subjects)
+        await client.start()
+        clock = Clock(speedup=2.0)
+        doomed_nc = await nats.connect(server.url)
+        doomed = EngineWorker(doomed_nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05),
+                              clock)
+        await doomed.start()
+        gw_nc, gw = await _journaled_gateway(stack, server.url, subjects, "gw-b", heartbeat_timeout_wall_s=0.5)
+        await gw.wait_for_replicas(1, 5)
+        await client.send("long", max_tokens=4000, sim_output_tokens=4000)  # minutes at this clock
+        # and one that finishes while the gateway is down: its completion is in the stream, not re-served
+        await client.send("short", max_tokens=2)
+        await wait_until(lambda: client.accepted("long") and client.accepted("short"), 5, "both owned")
+        await _crash(gw_nc, gw)
+        await wait_until(lambda: client.finals("short"), 5, "the short one to be answered by its engine")
+        await doomed_nc.close()  # r0 dies with "long" on it, while no gateway watches
+        await doomed.stop()
+        survivor = await stack.enter_async_context(EngineWorker(nc, EngineWorkerConfig(
+            "r1", subjects=subjects, heartbeat_interval_wall_s=0.05), Clock(speedup=200.0)))
+        gw2_nc, gw2 = await _journaled_gateway(stack, server.url, subjects, "gw-b", heartbeat_timeout_wall_s=0.5)
+        stack.push_async_callback(gw2_nc.close)
+        stack.push_async_callback(gw2.stop)
+        assert gw2.num_recovered == 1 and gw2.pending["long"].replica_id == "r0"  # "short" was completed
+        await wait_until(lambda: client.finals("long"), 15, "r0 to be declared dead and the request re-dispatched")
+        await asyncio.sleep(0.3)
+        assert [type(a).__name__ for a in client.finals("long")] == ["Reply"]
+        assert [type(a).__name__ for a in client.finals("short")] == ["Reply"]
+        assert survivor.num_answered == 1 and gw2.num_redispatched == 1

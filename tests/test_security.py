@@ -71,8 +71,12 @@ def _ordered_consumer(stream: str) -> set[str]:
             f"$JS.API.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>"}
 
 
+# the gateway's journal of owned requests, read back with the completions after a restart (`Gateway._recover`)
+JOURNAL = {S.ownerships(), f"$JS.API.STREAM.MSG.GET.{S.stream_ownership()}",
+           *_ordered_consumer(S.stream_ownership()), *_ordered_consumer(S.stream_completions()),
+           *(f"$JS.API.CONSUMER.INFO.{n}.*" for n in (S.stream_ownership(), S.stream_completions()))}
 ROLES: dict[str, tuple[frozenset[str], frozenset[str]]] = {  # user: (publish, subscribe)
-    "gateway": (SETUP | {_wild(S.replica), S.arrivals(), CLIENT_INBOXES, KV_READ},
+    "gateway": (SETUP | {_wild(S.replica), S.arrivals(), CLIENT_INBOXES, KV_READ} | JOURNAL,
                 frozenset({S.submit(), S.cancel(), S.users_submit(), S.users_cancel(), S.heartbeats(), S.completions(),
                            S.plan_event("assignment"),
                            JS_REPLIES})),
@@ -479,6 +483,29 @@ async def test_every_worker_serves_under_its_own_identity_and_is_refused_nothing
             assert (await kv.get(S.STRATEGY_KEY)).revision >= strategy_rev  # the scheduler may have moved on
             assert b"inject-" not in (await kv.get(S.STRATEGY_KEY)).value
             await spy.nc.close()
+
+            # the gateway crashes with a request it owns in its journal; its restart, under the gateway identity,
+            # reads its journal and the completions back (consumers, consumer info, direct get), refused nothing
+            from oserve.streams.schemas import Dispatch, Owned
+            gw_system = next(x for x in systems if x.gateway is not None)
+            await logins["gateway"].nc.publish(S.ownership(gw_system.gateway.config.gateway_id), encode(Owned(
+                gateway_id=gw_system.gateway.config.gateway_id, reply=f"{INBOX_PREFIX['alice']}.gone.1",
+                dispatch=Dispatch(request_id="journaled", input_tokens=10, max_tokens=2, type_index=0,
+                                  gateway_id=gw_system.gateway.config.gateway_id))))
+            await logins["gateway"].nc.flush()
+            await logins["gateway"].nc.close()  # as a SIGKILL would: nothing drained
+            await gw_system.stop()
+            systems.remove(gw_system)
+            logins["gateway"] = await Login.connect(url, "gateway", passwords["gateway"], name="oserve-gateway-2")
+            restarted = LiveSystem(logins["gateway"].nc, dataclasses.replace(config, workers=("gateway",)), inputs,
+                                   clock=clock)
+            await restarted.start()
+            systems.append(restarted)
+            assert restarted.gateway.num_recovered >= 1 and "journaled" in restarted.gateway.pending
+            reply = await client.submit(input_tokens=30, max_tokens=3, timeout_s=10)  # and it serves
+            assert reply.output_tokens == 3
+            await logins["gateway"].nc.flush()
+            assert not logins["gateway"].errors, logins["gateway"].errors
             await client.close()
         finally:
             for system in reversed(systems):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import nats
 
 from oserve.errors import ConfigError
+from oserve.streams.jetstream import ensure_streams
 from oserve.streams.schemas import SubmitRequest, encode
 from oserve.streams.subjects import Subjects
 from oserve.workers.clock import Clock
@@ -34,6 +35,9 @@ class BusBenchConfig:
     """Requests in flight during the throughput measurement."""
     num_rounds: int = 3
     """Throughput rounds per path, interleaved; the best round of each counts."""
+    journal: bool = True
+    """The gateway journals what it owns (`Gateway.js`), as a production gateway does: one more publish per
+    request and a `Settled` per batch. False measures the path without it."""
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "num_latency_requests", "concurrency", "num_rounds"):
@@ -86,7 +90,11 @@ async def run_bus_bench(url: str, config: BusBenchConfig = BusBenchConfig(),
     echo_sub = await workers_nc.subscribe(echo_subject, cb=echo)
     clock = Clock()
     engine = EngineWorker(engine_nc, EngineWorkerConfig("bench-r0", subjects=subjects, backend="echo"), clock)
-    gateway = Gateway(workers_nc, GatewayConfig(subjects=subjects, gateway_id="bench-gw"), clock)
+    js = None
+    if config.journal:
+        js = workers_nc.jetstream()
+        await ensure_streams(js, subjects)
+    gateway = Gateway(workers_nc, GatewayConfig(subjects=subjects, gateway_id="bench-gw"), clock, js=js)
     try:
         async with engine, gateway:
             await gateway.wait_for_replicas(1, 10.0)
@@ -123,6 +131,7 @@ async def run_bus_bench(url: str, config: BusBenchConfig = BusBenchConfig(),
         "num_requests": config.num_requests,
         "concurrency": config.concurrency,
         "engine_answered": answered,
+        "journal": config.journal,
         "path": "client -> gateway (validate, classify, smooth WRR, track) -> engine (echo backend) -> client",
     }
 

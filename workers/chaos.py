@@ -6,6 +6,10 @@ fault. In each phase the fault comes `fault_at_wall_s` in:
 
 - `gateway`, `engines`, `forecaster`, `scheduler`, `switch-planner`: that worker's process is SIGKILLed
   and started again `down_wall_s` later;
+- `gateway+engines`: the gateway and the engine host are SIGKILLed together and started again: the requests
+  the gateway had accepted and dispatched die with their replicas while no gateway watches, and only the
+  restarted gateway's journal (`Gateway._recover`) can have them served (the client sends nothing again: it
+  was told they were accepted);
 - `switch-half`: a switch is ordered (a strategy that renames one replica, as the scheduler would
   publish it) and the engine host is SIGKILLed as soon as the switch is planned, then started again;
 - `nats-short`, `nats-long`: the nats-server is SIGKILLed and started again on its port and store after
@@ -22,7 +26,8 @@ tap, reconnecting itself, can miss some); `errors` by code (each an
 `lost` (no answer at all: the client's codes); `disrupted` (requests sent after the fault that failed or
 took longer than twice, and a second more than, the phase's P99 before it, in wall time as the client
 saw it); `recovery_s` (from the fault to the send time of the last disrupted request; 0 when none); and
-the P99 of the answered.
+the P99 of the answered; and, where the gateway was killed, `gateway_took_back`: the requests its restart
+took back from its journal.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import asyncio
 import contextlib
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,7 +59,7 @@ from oserve.streams.subjects import Subjects
 
 PROCESSES = ("gateway", "engines", "forecaster", "scheduler", "switch-planner")
 """The worker processes of the system under test (`oserve worker NAME`); the HTTP front is left out."""
-FAULTS = (*PROCESSES, "switch-half", "nats-short", "nats-long", "burst")
+FAULTS = (*PROCESSES, "gateway+engines", "switch-half", "nats-short", "nats-long", "burst")
 DOCUMENTED_CODES = frozenset(v for k, v in vars(ErrorCode).items() if k.isupper()) | {"no_gateway"}
 """What a failed request may be answered with: the system's `ErrorCode`s, and NATS's "no responders"
 (`NoGateway`: nobody took it; safe to send again). A client-side timeout or lost connection is `lost`."""
@@ -132,6 +138,12 @@ class _Workers:
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
         log.close()
+
+    def gateway_took_back(self) -> int:
+        """Requests the latest gateway process took back from its journal when it started (its log says)."""
+        path = self.log_dir / f"gateway.{self.starts['gateway']}.log"
+        found = re.search(r"took back (\d+) requests", path.read_text()) if path.exists() else None
+        return int(found.group(1)) if found else 0
 
     def kill(self, name: str) -> None:
         proc = self.procs.pop(name)
@@ -305,6 +317,7 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
     loop = asyncio.get_running_loop()
     sent: dict[str, _Sent] = {}
     before_dupes = client.num_duplicates
+    before_statuses = client.num_late_statuses
     events_before = Counter(tap.switch_events)
     t0 = loop.time()
 
@@ -335,10 +348,13 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
         at = loop.time() - t0
         if fault == BASELINE:
             pass
-        elif fault in PROCESSES:
-            workers.kill(fault)
+        elif fault in PROCESSES or fault == "gateway+engines":
+            names = fault.split("+")
+            for name in names:
+                workers.kill(name)
             await asyncio.sleep(config.down_wall_s)
-            workers.start(fault)
+            for name in names:
+                workers.start(name)
         elif fault == "burst":
             burst_task.append(asyncio.create_task(_burst(config, client, k)))
         elif fault == "switch-half":
@@ -388,12 +404,14 @@ async def _phase(config: ChaosConfig, k: int, fault: str, server: NatsServer, wo
     return {"fault": fault, "sent": len(sent), "answered": outcomes.get("ok", 0), "errors": errors,
             "lost": lost, "answered_twice": max(twice_wire, client.num_duplicates - before_dupes),
             "answered_twice_wire": twice_wire, "client_duplicates": client.num_duplicates - before_dupes,
+            "client_late_no_responders": client.num_late_statuses - before_statuses,
             "recovery_s": max(failed_after) - fault_at_s if failed_after else 0.0,
             "disrupted": len(failed_after), "p99_wall_s": _p99([r.took_wall_s for r in sent.values()
                                                                  if r.outcome == "ok"]),
             "p99_s": _p99(e2e),
             "fault_at_s": fault_at_s, "error_examples": examples,
             "switch_events": dict(tap.switch_events - events_before),
+            "gateway_took_back": workers.gateway_took_back() if "gateway" in fault.split("+") else 0,
             **({"burst": burst} if burst is not None else {})}
 
 

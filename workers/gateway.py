@@ -35,7 +35,9 @@
   nothing) is taken as the same: its dispatch goes again, the engine answers once.
 - Ownership: a request that asks (`SubmitRequest.ack`) is told `Accepted` once it is dispatched or held;
   the client publishes again what no gateway confirmed, so one read by a gateway that crashed before
-  owning it is not lost.
+  owning it is not lost. With JetStream (`js`), the gateway journals what it owns (`Owned`, before the
+  `Accepted`, on the same connection; `Settled` when it no longer does) and, restarted under the same
+  `gateway_id`, takes back what it owned and no engine completed (`_recover`).
 - Deadlines: each request's is its `timeout_s` (capped by `max_request_wall_s`) less a margin
   (`deadline_s`), carried to the engine in the `Dispatch`. A held request is answered `deadline_exceeded`
   at it; a dispatched one is its engine's to answer, and is forgotten silently a grace period later.
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import datetime
 import heapq
 import itertools
 import logging
@@ -72,7 +75,9 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
@@ -82,8 +87,8 @@ from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
 from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Accepted, Arrival, Arrived,
                                     AssignmentSet,
-                                    CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Ping, Pong,
-                                    SchemaError, SubmitRequest, decode, decode_submit, encode, fingerprint,
+                                    CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Owned,
+                                    Ping, Pong, SchemaError, Settled, SubmitRequest, decode, decode_submit, encode, fingerprint,
                                     request_id_of)
 from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.base import Worker
@@ -99,6 +104,11 @@ EARLY_CANCEL_WALL_S = 5.0
 """How long a cancel for a request not held here is kept, in case its submit is still on its way: each
 subscription's callbacks run in a task of their own, so under a backlog of submits a cancel can be read
 first (wall seconds)."""
+RECOVERY_LOOKBACK_WALL_S = 10.0
+"""A restarted gateway reads engines' completions from this long before its journal's last record (its
+`Settled` flushes came at most `arrival_flush_wall_s` apart while it ran; the rest is clock skew)."""
+RECOVERY_READ_WALL_S = 30.0
+"""A restarted gateway gives up reading a stream for its recovery after this long without a message."""
 MAX_EARLY_CANCELS = 10_000
 """Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
 MIN_RATE_SATURATED_S = 3.0
@@ -167,6 +177,7 @@ class GatewayConfig:
     with a tag beyond them are classed as untagged, so a client minting tags cannot grow the model."""
 
     def __post_init__(self) -> None:
+        self.subjects.ownership(self.gateway_id)  # one subject token: its journal's subject
         for name in ("max_context_tokens", "max_attempts", "max_pending", "max_client_tags"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -286,9 +297,13 @@ class Gateway(Worker):
     name = "gateway"
 
     def __init__(self, nc: NATS, config: GatewayConfig, clock: Clock, *, estimator: OnlineTypes | None = None,
-                 tracer: Tracer | None = None, kv: KeyValue | None = None, metrics: Metrics | None = None) -> None:
+                 tracer: Tracer | None = None, kv: KeyValue | None = None, metrics: Metrics | None = None,
+                 js: JetStreamContext | None = None) -> None:
         super().__init__()
         self.nc, self.config, self.clock, self.tracer, self.kv = nc, config, clock, tracer, kv
+        self.js = js
+        """With JetStream (its streams set up), the gateway journals what it owns and takes it back after a
+        restart (`_recover`); None: no journal."""
         self.metrics = metrics
         """Accepted / rejected / failed / re-dispatched requests and the ones in flight (None: no metrics)."""
         self.estimator = estimator
@@ -324,6 +339,9 @@ class Gateway(Worker):
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
         self._disconnected = False
+        self._settled: list[str] = []  # request ids no longer owned, for the journal's next `Settled`
+        self.num_recovered = 0
+        """Requests taken back from the journal when this gateway started (`_recover`)."""
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -336,13 +354,15 @@ class Gateway(Worker):
                 self._set_assignment((await self.kv.get(Subjects.ASSIGNMENT_KEY)).value or b"")
             except KeyNotFoundError:
                 pass
+        if self.js is not None:  # before any new request: what it owned before it stopped
+            await self._recover()
         return [
             await self.nc.subscribe(s.heartbeats(), cb=self._on_heartbeat),
             await self.nc.subscribe(s.completions(), cb=self._on_completed),
             await self.nc.subscribe(s.plan_event("assignment"), cb=self._on_assignment),
             await self.nc.subscribe(s.cancel(), cb=self._on_cancel),  # all gateways: the owner acts
             await self.nc.subscribe(s.users_cancel(), cb=self._on_cancel),
-            # last: drain
+            # last, both: a drain unsubscribes them first
             await self.nc.subscribe(s.users_submit(), queue=self.config.queue_group, cb=self._on_submit),
             await self.nc.subscribe(s.submit(), queue=self.config.queue_group, cb=self._on_submit),
         ]
@@ -355,12 +375,13 @@ class Gateway(Worker):
             self.metrics.untrack_inflight(self.config.gateway_id)
 
     async def _drain(self) -> None:
-        # stop taking requests; what was forwarded is the engines' to answer
-        if self._subs:
-            await self._subs[-1].unsubscribe()
-            self._subs.pop()
+        # stop taking requests (the two submit subscriptions, last); what was forwarded is the engines' to answer
+        for _ in range(2):
+            if self._subs:
+                await self._subs.pop().unsubscribe()
         await self._answer_unrouted()
         await self._flush_arrivals()
+        await self._flush_settled()
 
     @property
     def live_replicas(self) -> list[str]:
@@ -607,6 +628,7 @@ class Gateway(Worker):
                 if existing.wait_until_wall_s is not None:
                     # a retry of a request held since it came in: answered on the retry's inbox, in time
                     existing.reply = msg.reply
+                    await self._own(existing)
                     await self._accepted(req, msg.reply)
                     return
                 if existing.replica_id is None:
@@ -660,6 +682,7 @@ class Gateway(Worker):
                                                                   fingerprint=ask)
                 self._sent(replica_id, pending)
             heapq.heappush(self._deadlines, (now + timeout_s, req.request_id))
+            await self._own(self.pending[req.request_id])  # journaled before the client hears it is accepted
             await self._accepted(req, msg.reply)
             self.num_accepted += 1
             if self.metrics is not None:
@@ -702,6 +725,7 @@ class Gateway(Worker):
             self.num_cancels_ignored += 1
             return
         del self.pending[c.request_id]
+        self._settled.append(c.request_id)
         self.num_cancelled += 1
         if p.replica_id is not None:
             await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -722,6 +746,7 @@ class Gateway(Worker):
             p = self._held(item.request_id, item.owner)
             if p is not None:
                 del pending[item.request_id]
+                self._settled.append(item.request_id)
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
@@ -729,6 +754,7 @@ class Gateway(Worker):
         for request_id, owner in zip(c.released, owners):  # answered with an error, or from the cache: not to be re-dispatched
             if self._held(request_id, owner) is not None:
                 del pending[request_id]
+                self._settled.append(request_id)
         owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
         for request_id, owner in zip(c.requeue, owners):  # dropped unanswered by a fenced engine: dispatched again
             p = self._held(request_id, owner)
@@ -760,6 +786,7 @@ class Gateway(Worker):
         attempt = p.dispatch.attempt + (0 if first or migrated else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
+            self._settled.append(rid)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -782,6 +809,7 @@ class Gateway(Worker):
         await self.nc.publish(self.config.subjects.replica(target), encode(p.dispatch), reply=p.reply,
                               headers=dict(p.headers) if p.headers else None)
         self._sent(target, p)
+        await self._own(p)  # where it is now
 
     async def _retry_unrouted(self) -> None:
         for rid, p in list(self.pending.items()):
@@ -802,6 +830,7 @@ class Gateway(Worker):
             else:
                 continue
             del self.pending[rid]
+            self._settled.append(rid)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -826,6 +855,7 @@ class Gateway(Worker):
                 heapq.heappush(heap, (p.deadline_wall_s + grace, rid))
                 continue
             del self.pending[rid]
+            self._settled.append(rid)
             self.num_expired += 1
             if p.replica_id is not None:
                 await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -902,3 +932,123 @@ class Gateway(Worker):
         while True:
             await asyncio.sleep(self.config.arrival_flush_wall_s)
             await self._flush_arrivals()
+            await self._flush_settled()
+
+    # --- the journal: ownership that survives a crash ----------------------------------------------
+
+    async def _own(self, p: _Pending) -> None:
+        """Journal that this gateway owns `p`, held or where it was dispatched (`Owned`)."""
+        if self.js is None:
+            return
+        await self.nc.publish(self.config.subjects.ownership(self.config.gateway_id), encode(Owned(
+            gateway_id=self.config.gateway_id, dispatch=p.dispatch, reply=p.reply, replica_id=p.replica_id or "",
+            headers=dict(p.headers) if p.headers else {})))
+
+    async def _flush_settled(self) -> None:
+        """Journal the requests this gateway stopped owning since the last flush (`Settled`)."""
+        if self.js is None:
+            self._settled.clear()
+            return
+        ids, self._settled = self._settled, []
+        for i in range(0, len(ids), EVENT_BATCH_ITEMS):
+            await self.nc.publish(self.config.subjects.ownership(self.config.gateway_id), encode(Settled(
+                gateway_id=self.config.gateway_id, request_ids=ids[i:i + EVENT_BATCH_ITEMS])))
+
+    async def _recover(self) -> None:
+        """Take back what this gateway's journal says it owned before it stopped (a crash, a kill): every
+        `Owned` request no `Settled` ended and no engine's `Completed` (read from the completions stream since
+        shortly before the journal's last record) answered, whose deadline has not passed. A held one waits
+        for a replica again; a dispatched one stays with its replica, which answers it, unless that replica
+        is not heard within `heartbeat_timeout_wall_s`: then it is re-dispatched, as for any replica that dies.
+        A completion that only migrated or handed back a request leaves it to be dispatched again."""
+        assert self.js is not None
+        s, gid = self.config.subjects, self.config.gateway_id
+        owned: dict[str, Owned] = {}
+        last: datetime.datetime | None = None
+        journal = s.ownership(gid)
+        try:
+            await self.js.get_last_msg(s.stream_ownership(), journal)
+        except NotFoundError:
+            return  # never owned anything, or all of it aged out
+        async for msg in _replay(self.js, journal, s.stream_ownership(), None):
+            try:
+                rec = decode(msg.data, Owned | Settled)
+            except SchemaError:
+                continue
+            if isinstance(rec, Owned):
+                owned[rec.dispatch.request_id] = rec
+            else:
+                for rid in rec.request_ids:
+                    owned.pop(rid, None)
+            last = msg.metadata.timestamp
+        if not owned or last is None:
+            return
+        redo: set[str] = set()
+        since = last - datetime.timedelta(seconds=RECOVERY_LOOKBACK_WALL_S)
+        async for msg in _replay(self.js, s.completions(), s.stream_completions(), since):
+            try:
+                c = decode(msg.data, Completed)
+            except SchemaError:
+                continue
+            assert isinstance(c, Completed)
+            mine = lambda rid, owner: rid in owned and (not owner or owner == owner_of(gid, owned[rid].reply))  # noqa: E731
+            for item in c.items:
+                if mine(item.request_id, item.owner):
+                    owned.pop(item.request_id)
+            owners = c.released_owners if len(c.released_owners) == len(c.released) else [""] * len(c.released)
+            for rid, owner in zip(c.released, owners):
+                if mine(rid, owner):
+                    owned.pop(rid)
+            owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
+            for rid, owner in zip(c.requeue, owners):
+                if mine(rid, owner) and owned[rid].replica_id == c.replica_id:
+                    redo.add(rid)
+            for m in c.migrated:
+                if mine(m.request_id, m.owner) and owned[m.request_id].replica_id == c.replica_id:
+                    rec = owned[m.request_id]
+                    owned[m.request_id] = msgspec.structs.replace(
+                        rec, dispatch=msgspec.structs.replace(rec.dispatch, resume=m.resume))
+                    redo.add(m.request_id)
+        loop_now, unix_now = asyncio.get_running_loop().time(), time.time()
+        for rid, rec in owned.items():
+            d = rec.dispatch
+            left = (d.deadline_unix_s - unix_now) if d.deadline_unix_s is not None else self.config.max_request_wall_s
+            if left <= 0:
+                self._settled.append(rid)  # nobody waits for it any more
+                continue
+            held = not rec.replica_id or rid in redo
+            p = _Pending(d, rec.reply, dict(rec.headers) or None, None if held else rec.replica_id,
+                         deadline_wall_s=loop_now + left, fingerprint=d.fingerprint,
+                         wait_until_wall_s=loop_now + min(self.config.no_replica_wait_wall_s, left)
+                         if held and not rec.replica_id else None)
+            self.pending[rid] = p
+            heapq.heappush(self._deadlines, (p.deadline_wall_s, rid))
+            if held:
+                self._maybe_unrouted = True
+            elif rec.replica_id not in self._replicas:  # judged by its heartbeats from now on: silent, it is dead
+                self._replicas[rec.replica_id] = _Replica(loop_now, accepting=False)
+        self.num_recovered = len(self.pending)
+        if self.pending:
+            log.warning("%s: took back %d requests it owned before it stopped", gid, len(self.pending))
+
+
+async def _replay(js: JetStreamContext, subject: str, stream: str, since: datetime.datetime | None):
+    """The messages of `stream` on `subject` (all, or from `since`) up to the last one there now, in order,
+    through an ordered consumer that is gone afterwards."""
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL) if since is None else \
+        ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since)
+    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, config=config)
+    try:
+        info = await sub.consumer_info()
+        if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
+            return  # nothing there from `since` on (none pending, none on its way)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=RECOVERY_READ_WALL_S)
+            except TimeoutError:  # nothing (more) from `since` on: the stream holds none
+                return
+            yield msg
+            if msg.metadata.num_pending == 0:
+                return
+    finally:
+        await sub.unsubscribe()

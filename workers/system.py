@@ -65,6 +65,9 @@ class SystemConfig:
     subjects: Subjects = field(default_factory=Subjects)
     model: str = "llama2-7b"
     gpus: int = 8
+    gateway_id: str = "gateway-0"
+    """The gateway's id: its journal of owned requests (`Subjects.ownership`) is under it, so a gateway restarted
+    with the same id takes back what it owned; give each gateway of a system its own."""
     gpu: str = "h100-80gb"
     trace: str = "azure-conv"
     """The history the planner's models are fitted on (`fit_prior`): requests seen before the system starts."""
@@ -283,10 +286,11 @@ class LiveSystem:
                                    clock, tracer=tracer("engine"), metrics=metrics, events=events)
             await self.host.start()
         if "gateway" in w:
-            self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, max_context_tokens=cfg.max_context_tokens(ctx),
+            self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, gateway_id=cfg.gateway_id,
+                                                     max_context_tokens=cfg.max_context_tokens(ctx),
                                                      heartbeat_timeout_wall_s=cfg.heartbeat_timeout_wall_s),
                                    clock, estimator=self.inputs.prior.fresh_estimator(), tracer=tracer("gateway"), kv=kv,
-                                   metrics=metrics)
+                                   metrics=metrics, js=nc.jetstream())
             await self.gateway.start()
         if "switch-planner" in w:
             live = {"ready_slack_wall_s": VLLM_START_SLACK_WALL_S, "restart_after_wall_s": cfg.heartbeat_timeout_wall_s,

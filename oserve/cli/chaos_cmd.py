@@ -62,13 +62,15 @@ def bench_chaos(
     t = Table(title="Requests through each fault (workers in separate processes)")
     t.caption = ("twice: requests answered more than once (on the wire, or seen by the client); lost: no answer "
                  "at all; disrupted: sent after the fault and failed or took over twice the fault-free P99; "
-                 "recovery: from the fault to the last disrupted request's send")
-    for col in ("fault", "sent", "answered", "twice", "errors", "lost", "disrupted", "recovery s", "P99 wall s"):
+                 "recovery: from the fault to the last disrupted request's send; taken back: requests a restarted "
+                 "gateway took back from its journal")
+    for col in ("fault", "sent", "answered", "twice", "errors", "lost", "disrupted", "recovery s", "P99 wall s",
+                "taken back"):
         t.add_column(col, justify="left" if col in ("fault", "errors") else "right")
     for p in result["phases"]:
         errors = ", ".join(f"{code} {n}" for code, n in p["errors"].items()) or "-"
         t.add_row(p["fault"], str(p["sent"]), str(p["answered"]), str(p["answered_twice"]), errors, str(p["lost"]),
-                  str(p["disrupted"]), _fmt(p["recovery_s"]), _fmt(p["p99_wall_s"]))
+                  str(p["disrupted"]), _fmt(p["recovery_s"]), _fmt(p["p99_wall_s"]), str(p.get("gateway_took_back", 0)))
     out_console().print(compact(t))
     verdict = "met" if result["meets_targets"] else "NOT met"
     out_console().print(f"targets (0 lost, 0 answered twice, only documented error codes): {verdict}")

@@ -23,6 +23,9 @@ def bench_bus(
     nats_url: str = typer.Option("", "--nats", envvar="OSERVE_NATS_URL",
                                  help="NATS URL; empty starts an embedded nats-server."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    journal: bool = typer.Option(True, "--journal/--no-journal",
+                                 help="The gateway journals what it owns, as in production (one more publish per "
+                                      "request); --no-journal measures the path without it."),
 ) -> None:
     """Requests/s through gateway -> engine (echo backend) versus a bare NATS echo, and the P99 added."""
     import asyncio
@@ -30,7 +33,8 @@ def bench_bus(
     from oserve.streams.server import NatsServer
     from oserve.workers.bench import BusBenchConfig, run_bus_bench
 
-    config = BusBenchConfig(num_requests=requests, num_latency_requests=latency_requests, concurrency=concurrency)
+    config = BusBenchConfig(num_requests=requests, num_latency_requests=latency_requests, concurrency=concurrency,
+                            journal=journal)
     if nats_url:
         result = asyncio.run(run_bus_bench(nats_url, config))
     else:
@@ -59,7 +63,7 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
                    otlp_endpoint: str, workers: tuple[str, ...] = WORKER_NAMES, epoch_unix_s: float = 0.0,
                    history_minutes: float | None = None, js_replicas: int = 1, http_host: str = "127.0.0.1",
                    http_port: int = 0, api_key: str = "", engine: str = "sim", model_path: str = "",
-                   max_model_len: int = 2048):
+                   max_model_len: int = 2048, gateway_id: str = "gateway-0"):
     import os
 
     from oserve.observability.tracing import TracingConfig
@@ -74,7 +78,8 @@ def _system_config(prefix: str, model: str, gpus: int, speedup: float, span_s: f
                         trace=trace, history_minutes=history_minutes, tracing=tracing_config,
                         workers=workers, epoch_unix_s=epoch_unix_s or None, js_replicas=js_replicas,
                         http_host=http_host, http_port=http_port, http_api_keys=(api_key,) if api_key else (),
-                        engine=engine, vllm=VllmBackendConfig(model_path=model_path, max_model_len=max_model_len))
+                        engine=engine, vllm=VllmBackendConfig(model_path=model_path, max_model_len=max_model_len),
+                        gateway_id=gateway_id)
 
 
 def _metrics_server(port: int):
@@ -265,6 +270,9 @@ def worker(
     engine: str = ENGINE,
     model_path: str = MODEL_PATH,
     max_model_len: int = MAX_MODEL_LEN,
+    gateway_id: str = typer.Option("gateway-0", "--gateway-id",
+                                   help="The gateway worker's id (one per gateway): a gateway restarted with the same "
+                                        "id takes back the requests it owned when it stopped."),
 ) -> None:
     """Run one worker against a NATS server (to spread the system over hosts)."""
     import asyncio
@@ -276,7 +284,7 @@ def worker(
     _logging()
     config = _system_config(prefix, model, gpus, speedup, span_s, trace, tracing, otlp_endpoint, (name,), epoch,
                             js_replicas=js_replicas, http_host=http_host, http_port=http_port, api_key=api_key,
-                            engine=engine, model_path=model_path, max_model_len=max_model_len)
+                            engine=engine, model_path=model_path, max_model_len=max_model_len, gateway_id=gateway_id)
     asyncio.run(_serve(nats_url, config, duration_s, name, metrics_port=metrics_port))
 
 
