@@ -196,18 +196,22 @@ class SwitchPlannerWorker(Worker):
                 continue
             if self._switching:
                 continue  # a switch starts and drains replicas itself
-            for rid, spec in list(self.current.items()):
-                heard = self._heard_wall_s.get(rid, began)
-                if now - max(heard, self._restarted_wall_s.get(rid, began)) <= after:
-                    continue
-                self._restarted_wall_s[rid] = now
-                self._ready.discard(rid)
-                self.num_restarts += 1
-                log.warning("switch planner: replica %s silent for %.1f s; starting it again", rid, now - heard)
-                await self._command(spec, StartReplica(strategy_id=self.strategy_id, replica=spec,
-                                                       ready_after_s=self.config.restart_ready_after_s), None)
-                await self._publish_switch(ReplicaRestarted(strategy_id=self.strategy_id, replica_id=rid,
-                                                            silent_wall_s=now - heard), None)
+            silent = [(rid, spec, self._heard_wall_s.get(rid, began)) for rid, spec in list(self.current.items())
+                      if now - max(self._heard_wall_s.get(rid, began), self._restarted_wall_s.get(rid, began)) > after]
+            # together: a host that is still coming back acknowledges late, and one replica's wait is not the next's
+            await asyncio.gather(*(self._restart(rid, spec, heard, now) for rid, spec, heard in silent))
+
+    async def _restart(self, rid: str, spec: ReplicaSpec, heard: float, now: float) -> None:
+        """Start a silent replica again; its next restart is judged from when its host acknowledged this one."""
+        self._restarted_wall_s[rid] = now
+        self._ready.discard(rid)
+        self.num_restarts += 1
+        log.warning("switch planner: replica %s silent for %.1f s; starting it again", rid, now - heard)
+        await self._command(spec, StartReplica(strategy_id=self.strategy_id, replica=spec,
+                                               ready_after_s=self.config.restart_ready_after_s), None)
+        self._restarted_wall_s[rid] = asyncio.get_running_loop().time()
+        await self._publish_switch(ReplicaRestarted(strategy_id=self.strategy_id, replica_id=rid,
+                                                    silent_wall_s=now - heard), None)
 
     async def _on_strategy(self, s: StrategyChosen, msg: Msg) -> None:
         self._queue.put_nowait((s, msg.headers))
