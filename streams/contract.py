@@ -169,9 +169,12 @@ def bus_schema(subjects: Subjects = Subjects()) -> dict:
     def refs(tags: list[str]) -> dict:
         return {"anyOf": [{"$ref": f"#/$defs/{names[t]}"} for t in tags]}
 
-    grouped: dict[str, list[str]] = {}
+    # a message goes on every subject whose group names it (a request on the shared and the per-user subject)
+    grouped: dict[str, list[str]] = {g.name: [t for t in by_tag if t in g.tags] for g in _GROUPS}
     for tag in by_tag:
-        grouped.setdefault(_group_of(tag), []).append(tag)
+        first = _group_of(tag)
+        if tag not in grouped.get(first, []):
+            grouped.setdefault(first, []).append(tag)
     out = []
     for g in (*_GROUPS, _Group("unassigned", lambda s: "", "", None, (), "Messages no subject names yet.")):
         tags = grouped.get(g.name, [])

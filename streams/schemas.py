@@ -190,6 +190,10 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     resume: Resume | None = None
     """Set when the request migrated from a retiring replica in a switch (`Completed.migrated`): continue
     from what it generated there."""
+    recovered: bool = False
+    """Sent again by a gateway restarted after a crash, which took the request back from its journal: an engine
+    that answered it already releases it without answering again (the answer went out in the same write as its
+    `Completed`); one that serves it goes on; one that never had it serves it."""
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):

@@ -155,3 +155,34 @@ async def test_control_events_are_acknowledged_by_the_plans_stream_and_stored_on
         assert lost.num_unacked == 1 and lost.num_retries == 1
         plain = EventPublisher(nc, None)  # without JetStream: a plain publish
         assert await plain.publish(subjects.plan_event("switch"), b"{}")
+
+
+async def test_a_lost_acknowledgement_has_the_command_sent_again_and_still_run_once(server) -> None:
+    """The host runs the command and its acknowledgement is lost: the planner sends it again with the same id,
+    the host acknowledges it as a duplicate and does not run it twice."""
+    async with AsyncExitStack() as stack:
+        subjects = unique_subjects()
+        nc = await nats.connect(server.url)
+        stack.push_async_callback(nc.close)
+        clock = Clock(speedup=1.0)
+
+        class LosesFirstAck:  # the host's connection, whose first acknowledgement never arrives
+            def __init__(self, inner) -> None:
+                self.inner, self.lost = inner, 0
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            async def publish(self, subject, payload=b"", reply="", headers=None) -> None:
+                if subjects.is_control_ack(subject) and not self.lost:
+                    self.lost += 1
+                    return
+                await self.inner.publish(subject, payload, reply=reply, headers=headers)
+
+        lossy = LosesFirstAck(nc)
+        host = await stack.enter_async_context(EngineHost(lossy, EngineHostConfig(subjects=subjects), clock))
+        sp = await stack.enter_async_context(SwitchPlannerWorker(nc, SwitchPlannerConfig(
+            subjects=subjects, restart_after_wall_s=0, command_ack_wall_s=0.3), clock))
+        assert await sp.switch(_strategy("s1", "x", switch_s=0.2))
+        assert lossy.lost == 1 and sp.num_command_resends == 1 and host.num_duplicate_commands == 1
+        assert list(host.engines) == ["x"]

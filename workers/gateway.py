@@ -109,6 +109,9 @@ RECOVERY_LOOKBACK_WALL_S = 10.0
 `Settled` flushes came at most `arrival_flush_wall_s` apart while it ran; the rest is clock skew)."""
 RECOVERY_READ_WALL_S = 30.0
 """A restarted gateway gives up reading a stream for its recovery after this long without a message."""
+RECOVERY_SKEW_WALL_S = 1.0
+"""An engine's answer may be stored in the completions stream up to this long before the journal record of
+its dispatch (the dispatch goes out first, on another connection): a restarted gateway still counts it."""
 MAX_EARLY_CANCELS = 10_000
 """Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
 MIN_RATE_SATURATED_S = 3.0
@@ -339,7 +342,8 @@ class Gateway(Worker):
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
         self._disconnected = False
-        self._settled: list[str] = []  # request ids no longer owned, for the journal's next `Settled`
+        self._settled: dict[str, None] = {}  # request ids no longer owned, for the journal's next `Settled`
+        self._recovery_buffer: list[Msg] | None = None  # completions read while `_recover` runs
         self.num_recovered = 0
         """Requests taken back from the journal when this gateway started (`_recover`)."""
 
@@ -354,11 +358,22 @@ class Gateway(Worker):
                 self._set_assignment((await self.kv.get(Subjects.ASSIGNMENT_KEY)).value or b"")
             except KeyNotFoundError:
                 pass
+        subs = [await self.nc.subscribe(s.heartbeats(), cb=self._on_heartbeat)]
         if self.js is not None:  # before any new request: what it owned before it stopped
-            await self._recover()
-        return [
-            await self.nc.subscribe(s.heartbeats(), cb=self._on_heartbeat),
-            await self.nc.subscribe(s.completions(), cb=self._on_completed),
+            # completions from now on are kept while the streams are read, so none falls between the two
+            self._recovery_buffer = []
+            subs.append(await self.nc.subscribe(s.completions(), cb=self._on_completed))
+            try:
+                await self._recover()
+            except Exception:  # a gateway that cannot read its journal still serves: say so, loudly
+                log.exception("%s: could not take back what it owned before it stopped", self.config.gateway_id)
+            buffered, self._recovery_buffer = self._recovery_buffer, None
+            for msg in buffered:
+                await self._on_completed(msg)
+            await self._flush_settled()
+        else:
+            subs.append(await self.nc.subscribe(s.completions(), cb=self._on_completed))
+        return subs + [
             await self.nc.subscribe(s.plan_event("assignment"), cb=self._on_assignment),
             await self.nc.subscribe(s.cancel(), cb=self._on_cancel),  # all gateways: the owner acts
             await self.nc.subscribe(s.users_cancel(), cb=self._on_cancel),
@@ -725,13 +740,16 @@ class Gateway(Worker):
             self.num_cancels_ignored += 1
             return
         del self.pending[c.request_id]
-        self._settled.append(c.request_id)
+        self._settle(c.request_id)
         self.num_cancelled += 1
         if p.replica_id is not None:
             await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
                 request_id=c.request_id, inbox=p.reply, gateway_id=self.config.gateway_id, reason=c.reason)))
 
     async def _on_completed(self, msg: Msg) -> None:
+        if self._recovery_buffer is not None:  # read again once the journal is taken back (`_recover`)
+            self._recovery_buffer.append(msg)
+            return
         try:
             c = decode(msg.data, Completed)
         except SchemaError:
@@ -746,7 +764,7 @@ class Gateway(Worker):
             p = self._held(item.request_id, item.owner)
             if p is not None:
                 del pending[item.request_id]
-                self._settled.append(item.request_id)
+                self._settle(item.request_id)
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
@@ -754,7 +772,7 @@ class Gateway(Worker):
         for request_id, owner in zip(c.released, owners):  # answered with an error, or from the cache: not to be re-dispatched
             if self._held(request_id, owner) is not None:
                 del pending[request_id]
-                self._settled.append(request_id)
+                self._settle(request_id)
         owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
         for request_id, owner in zip(c.requeue, owners):  # dropped unanswered by a fenced engine: dispatched again
             p = self._held(request_id, owner)
@@ -786,7 +804,7 @@ class Gateway(Worker):
         attempt = p.dispatch.attempt + (0 if first or migrated else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
-            self._settled.append(rid)
+            self._settle(rid)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -799,6 +817,7 @@ class Gateway(Worker):
         if target is None:
             p.replica_id = None  # retried when a replica becomes eligible, and on liveness ticks
             self._maybe_unrouted = True
+            await self._own(p)  # held now, not where it was
             return
         p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt)
         p.replica_id, p.wait_until_wall_s = target, None
@@ -830,7 +849,7 @@ class Gateway(Worker):
             else:
                 continue
             del self.pending[rid]
-            self._settled.append(rid)
+            self._settle(rid)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -855,7 +874,7 @@ class Gateway(Worker):
                 heapq.heappush(heap, (p.deadline_wall_s + grace, rid))
                 continue
             del self.pending[rid]
-            self._settled.append(rid)
+            self._settle(rid)
             self.num_expired += 1
             if p.replica_id is not None:
                 await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -937,33 +956,43 @@ class Gateway(Worker):
     # --- the journal: ownership that survives a crash ----------------------------------------------
 
     async def _own(self, p: _Pending) -> None:
-        """Journal that this gateway owns `p`, held or where it was dispatched (`Owned`)."""
+        """Journal that this gateway owns `p`, held or where it was dispatched (`Owned`). An earlier request
+        under the same id whose end is not journaled yet is journaled first: a `Settled` after this record
+        would end this one."""
         if self.js is None:
             return
+        if p.dispatch.request_id in self._settled:
+            await self._flush_settled()
         await self.nc.publish(self.config.subjects.ownership(self.config.gateway_id), encode(Owned(
             gateway_id=self.config.gateway_id, dispatch=p.dispatch, reply=p.reply, replica_id=p.replica_id or "",
             headers=dict(p.headers) if p.headers else {})))
 
+    def _settle(self, rid: str) -> None:
+        if self.js is not None:
+            self._settled[rid] = None
+
     async def _flush_settled(self) -> None:
         """Journal the requests this gateway stopped owning since the last flush (`Settled`)."""
-        if self.js is None:
-            self._settled.clear()
+        if self.js is None or not self._settled:
             return
-        ids, self._settled = self._settled, []
+        ids, self._settled = list(self._settled), {}
         for i in range(0, len(ids), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.ownership(self.config.gateway_id), encode(Settled(
                 gateway_id=self.config.gateway_id, request_ids=ids[i:i + EVENT_BATCH_ITEMS])))
 
     async def _recover(self) -> None:
         """Take back what this gateway's journal says it owned before it stopped (a crash, a kill): every
-        `Owned` request no `Settled` ended and no engine's `Completed` (read from the completions stream since
-        shortly before the journal's last record) answered, whose deadline has not passed. A held one waits
-        for a replica again; a dispatched one stays with its replica, which answers it, unless that replica
-        is not heard within `heartbeat_timeout_wall_s`: then it is re-dispatched, as for any replica that dies.
-        A completion that only migrated or handed back a request leaves it to be dispatched again."""
+        `Owned` request no `Settled` ended and no engine's `Completed` answered (read from the completions
+        stream since shortly before the journal's last record), whose deadline has not passed. A held one waits
+        for a replica again. A dispatched one is sent to its replica again, marked `recovered`: an engine that
+        serves it goes on (its de-duplication), one that answered it already releases it without answering
+        again, and one that never had it (a replica started again under the same id) serves it; a replica not
+        heard within `heartbeat_timeout_wall_s` is declared dead and the request re-dispatched. A completion
+        that migrated or handed back a request (after the journal placed it there) has it dispatched again.
+        What turns out answered is journaled as settled, so a second restart does not take it back."""
         assert self.js is not None
         s, gid = self.config.subjects, self.config.gateway_id
-        owned: dict[str, Owned] = {}
+        owned: dict[str, tuple[Owned, datetime.datetime]] = {}
         last: datetime.datetime | None = None
         journal = s.ownership(gid)
         try:
@@ -976,7 +1005,7 @@ class Gateway(Worker):
             except SchemaError:
                 continue
             if isinstance(rec, Owned):
-                owned[rec.dispatch.request_id] = rec
+                owned[rec.dispatch.request_id] = (rec, msg.metadata.timestamp)
             else:
                 for rid in rec.request_ids:
                     owned.pop(rid, None)
@@ -984,37 +1013,53 @@ class Gateway(Worker):
         if not owned or last is None:
             return
         redo: set[str] = set()
+        skew = datetime.timedelta(seconds=RECOVERY_SKEW_WALL_S)
         since = last - datetime.timedelta(seconds=RECOVERY_LOOKBACK_WALL_S)
+
+        def mine(rid: str, owner: str, at: datetime.datetime, *, strictly_after: bool = False) -> bool:
+            """Whether a completion entry at `at` is about the request the journal placed last: ours (owner),
+            and not older than that placement (an answer may be stored just before its record, which follows
+            the dispatch; a hand-back must come after it)."""
+            if rid not in owned:
+                return False
+            rec, placed = owned[rid]
+            return (not owner or owner == owner_of(gid, rec.reply)) and \
+                (at > placed if strictly_after else at >= placed - skew)
+
         async for msg in _replay(self.js, s.completions(), s.stream_completions(), since):
             try:
                 c = decode(msg.data, Completed)
             except SchemaError:
                 continue
             assert isinstance(c, Completed)
-            mine = lambda rid, owner: rid in owned and (not owner or owner == owner_of(gid, owned[rid].reply))  # noqa: E731
+            at = msg.metadata.timestamp
             for item in c.items:
-                if mine(item.request_id, item.owner):
+                if mine(item.request_id, item.owner, at):
                     owned.pop(item.request_id)
+                    self._settle(item.request_id)
             owners = c.released_owners if len(c.released_owners) == len(c.released) else [""] * len(c.released)
             for rid, owner in zip(c.released, owners):
-                if mine(rid, owner):
+                if mine(rid, owner, at):
                     owned.pop(rid)
+                    self._settle(rid)
             owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
             for rid, owner in zip(c.requeue, owners):
-                if mine(rid, owner) and owned[rid].replica_id == c.replica_id:
+                if mine(rid, owner, at, strictly_after=True) and owned[rid][0].replica_id == c.replica_id:
                     redo.add(rid)
             for m in c.migrated:
-                if mine(m.request_id, m.owner) and owned[m.request_id].replica_id == c.replica_id:
-                    rec = owned[m.request_id]
-                    owned[m.request_id] = msgspec.structs.replace(
-                        rec, dispatch=msgspec.structs.replace(rec.dispatch, resume=m.resume))
+                if mine(m.request_id, m.owner, at, strictly_after=True) and \
+                        owned[m.request_id][0].replica_id == c.replica_id:
+                    rec, placed = owned[m.request_id]
+                    owned[m.request_id] = (msgspec.structs.replace(
+                        rec, dispatch=msgspec.structs.replace(rec.dispatch, resume=m.resume)), placed)
                     redo.add(m.request_id)
         loop_now, unix_now = asyncio.get_running_loop().time(), time.time()
-        for rid, rec in owned.items():
+        resend: list[tuple[str, _Pending]] = []
+        for rid, (rec, _) in owned.items():
             d = rec.dispatch
             left = (d.deadline_unix_s - unix_now) if d.deadline_unix_s is not None else self.config.max_request_wall_s
             if left <= 0:
-                self._settled.append(rid)  # nobody waits for it any more
+                self._settle(rid)  # nobody waits for it any more
                 continue
             held = not rec.replica_id or rid in redo
             p = _Pending(d, rec.reply, dict(rec.headers) or None, None if held else rec.replica_id,
@@ -1025,11 +1070,18 @@ class Gateway(Worker):
             heapq.heappush(self._deadlines, (p.deadline_wall_s, rid))
             if held:
                 self._maybe_unrouted = True
-            elif rec.replica_id not in self._replicas:  # judged by its heartbeats from now on: silent, it is dead
+                continue
+            resend.append((rid, p))
+            if rec.replica_id not in self._replicas:  # judged by its heartbeats from now on: silent, it is dead
                 self._replicas[rec.replica_id] = _Replica(loop_now, accepting=False)
         self.num_recovered = len(self.pending)
         if self.pending:
             log.warning("%s: took back %d requests it owned before it stopped", gid, len(self.pending))
+        for rid, p in resend:
+            if self.pending.get(rid) is p and p.replica_id is not None:
+                await self.nc.publish(self.config.subjects.replica(p.replica_id),
+                                      encode(msgspec.structs.replace(p.dispatch, recovered=True)), reply=p.reply,
+                                      headers=dict(p.headers) if p.headers else None)
 
 
 async def _replay(js: JetStreamContext, subject: str, stream: str, since: datetime.datetime | None):

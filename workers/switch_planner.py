@@ -139,6 +139,9 @@ class SwitchPlannerWorker(Worker):
         """Commands sent again because no acknowledgement came in time."""
         self.num_unacked_commands = 0
         """Commands no send of which was acknowledged."""
+        self._unacked_drains: dict[str, tuple[str, DrainReplica]] = {}  # replica_id -> (host, command) to resend
+        self._control = asyncio.Lock()  # a switch and the restart loop's commands never interleave
+        self._last_strategy_id = ""  # the strategy handled last: the same one heard again is not run again
         self.metrics = metrics
         """The deployment serving, switches by outcome and their wall time (None: no metrics)."""
         self.model, self.cluster = model, cluster
@@ -196,10 +199,17 @@ class SwitchPlannerWorker(Worker):
                 continue
             if self._switching:
                 continue  # a switch starts and drains replicas itself
-            silent = [(rid, spec, self._heard_wall_s.get(rid, began)) for rid, spec in list(self.current.items())
-                      if now - max(self._heard_wall_s.get(rid, began), self._restarted_wall_s.get(rid, began)) > after]
-            # together: a host that is still coming back acknowledges late, and one replica's wait is not the next's
-            await asyncio.gather(*(self._restart(rid, spec, heard, now) for rid, spec, heard in silent))
+            async with self._control:
+                if self._switching:
+                    continue
+                silent = [(rid, spec, self._heard_wall_s.get(rid, began)) for rid, spec in list(self.current.items())
+                          if now - max(self._heard_wall_s.get(rid, began),
+                                       self._restarted_wall_s.get(rid, began)) > after]
+                drains = [(rid, host, cmd) for rid, (host, cmd) in list(self._unacked_drains.items())
+                          if rid not in self.current]
+                # together: a host still coming back acknowledges late, and one replica's wait is not the next's
+                await asyncio.gather(*(self._restart(rid, spec, heard, now) for rid, spec, heard in silent),
+                                     *(self._command(rid, cmd, None, host=host) for rid, host, cmd in drains))
 
     async def _restart(self, rid: str, spec: ReplicaSpec, heard: float, now: float) -> None:
         """Start a silent replica again; its next restart is judged from when its host acknowledged this one."""
@@ -240,9 +250,13 @@ class SwitchPlannerWorker(Worker):
             s, headers = await self._queue.get()
             while not self._queue.empty():  # only the latest strategy matters
                 s, headers = self._queue.get_nowait()
+            if s.strategy_id == self._last_strategy_id:
+                continue  # heard again (an event published once more after a late acknowledgement): done already
+            self._last_strategy_id = s.strategy_id
             try:
                 self._switching = True
-                await self.switch(s, headers)
+                async with self._control:
+                    await self.switch(s, headers)
             except Exception:  # outermost: report and keep the old deployment
                 log.exception("switch planner: switch to %s failed", s.strategy_id)
                 await self._publish_switch(SwitchRolledBack(strategy_id=s.strategy_id, reason="internal error"), None)
@@ -308,11 +322,31 @@ class SwitchPlannerWorker(Worker):
         return session, {r.replica_id: weights(r.replica_id, False) for r in start}, \
             {rid: weights(rid, True) for rid in senders}
 
-    async def _command(self, spec_or_id, cmd, headers) -> bool:
+    async def _command(self, spec_or_id, cmd, headers, *, host: str | None = None) -> bool:
         """Send a command to its replica's host and wait for the host's acknowledgement, sending it again (the
-        same id: run once) while none comes, `command_attempts` times at most; True once acknowledged."""
-        host = self.host_of(spec_or_id) if isinstance(spec_or_id, ReplicaSpec) else \
-            self.host_of(self.current.get(spec_or_id, ReplicaSpec(replica_id=spec_or_id, tp=1, pp=1, gpu_ids=[])))
+        same id: run once) while none comes, `command_attempts` times at most; True once acknowledged. Never
+        raises (the commands of a switch go out together): an error is logged and counted as unacknowledged. A
+        `DrainReplica` no send of which was acknowledged is kept and sent again by the restart loop, so a
+        retired replica does not go on holding GPUs the next deployment may use."""
+        if host is None:
+            host = self.host_of(spec_or_id) if isinstance(spec_or_id, ReplicaSpec) else \
+                self.host_of(self.current.get(spec_or_id, ReplicaSpec(replica_id=spec_or_id, tp=1, pp=1, gpu_ids=[])))
+        try:
+            acked = await self._send_command(spec_or_id, cmd, headers, host)
+        except Exception:  # a bug, not a lost message: reported, and the switch goes on to its own checks
+            log.exception("switch planner: %s to host %s failed", type(cmd).__name__, host)
+            self.num_unacked_commands += 1
+            acked = False
+        if isinstance(cmd, DrainReplica):
+            if acked:
+                self._unacked_drains.pop(cmd.replica_id, None)
+            else:
+                self._unacked_drains[cmd.replica_id] = (host, cmd)
+        elif isinstance(cmd, StartReplica) and acked:  # the id serves again: an old drain of it is void
+            self._unacked_drains.pop(cmd.replica.replica_id, None)
+        return acked
+
+    async def _send_command(self, spec_or_id, cmd, headers, host: str) -> bool:
         n = next(self._command_seq)
         cid = f"{self._commander}-{n}"
         data = encode(msgspec.structs.replace(cmd, command_id=cid))
