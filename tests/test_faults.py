@@ -800,3 +800,36 @@ async def test_a_cancelled_request_is_not_taken_back_and_an_answered_one_is_rele
         await wait_until(lambda: "once" in released, 5, "its release")
         await asyncio.sleep(0.2)
         assert len(client.finals("once")) == 1 and engine.num_answered == 1
+
+
+async def test_a_slow_heartbeat_confirmation_is_waited_for_never_given_up(server) -> None:
+    """nats-py 2.16 stops a connection's read loop for good when the PONG of a flush that timed out comes in
+    (its future was cancelled: `InvalidStateError`), so an engine that gave up on a slow confirmation killed the
+    connection it shares with its host's other workers (found with vLLM: a request lost after a fence). The
+    engine now waits for each confirmation as long as it takes, one at a time, and fences meanwhile."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=2.0, engine_kwargs=dict(
+            fence_after_wall_s=0.3))
+        real_flush, cancelled, started = nc.flush, [], []
+
+        async def slow_flush(timeout=None):  # the first PONG takes 1 s (a busy server, a slow link)
+            started.append(timeout)
+            try:
+                if len(started) == 1:
+                    await asyncio.sleep(1.0)
+            except asyncio.CancelledError:
+                cancelled.append(timeout)
+                raise
+            await real_flush()
+        nc.flush = slow_flush
+        t = asyncio.create_task(client.submit(input_tokens=10, max_tokens=100, sim_output_tokens=100, timeout_s=20))
+        await asyncio.sleep(1.5)
+        # the one in flight meanwhile is answered, or refused explicitly after its replicas fenced it thrice;
+        # never left without an answer, and the shared connection still serves what comes next
+        first = await asyncio.gather(asyncio.wait_for(t, 20), return_exceptions=True)
+        assert isinstance(first[0], (Reply, RequestRejected)), first
+        reply = await client.submit(input_tokens=10, max_tokens=20, timeout_s=10)
+        assert isinstance(reply, Reply) and reply.output_tokens == 20
+        assert cancelled == [] and len(started) >= 2 and all(timeout >= 60 for timeout in started), (cancelled, started)
+        await wait_until(lambda: not any(e._stalled() for e in engines), 5, "heartbeats to be confirmed again")
+        nc.flush = real_flush

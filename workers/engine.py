@@ -73,6 +73,9 @@ from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 
 log = logging.getLogger(__name__)
+CONFIRM_WAIT_WALL_S = 3600.0
+"""How long a heartbeat's confirmation (a flush) may wait for its PONG: in effect forever, as giving up on one
+would stop the connection's reading (`EngineWorker._heartbeat_loop`); a stall is judged by `_stalled` meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +218,7 @@ class EngineWorker(Worker):
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline_unix_s, seq) of in-flight requests
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
         self._last_beat_wall_s: float | None = None  # loop time of the last heartbeat the server confirmed
+        self._confirming: asyncio.Task | None = None  # the flush confirming the heartbeats sent (`_confirm`)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -732,19 +736,31 @@ class EngineWorker(Worker):
 
     async def _heartbeat_loop(self) -> None:
         """A heartbeat every interval; one counts for the fence (`_stalled`) only once the server confirms it
-        has it (a flush's round trip): one buffered through a disconnection, or stuck behind a slow link,
-        reached no gateway."""
+        has it (a flush's round trip, `_confirm`): one buffered through a disconnection, or stuck behind a slow
+        link, reached no gateway. One confirmation is outstanding at a time, and it is never cut short: a
+        flush given up on (its PONG future cancelled) makes nats-py 2.16's read loop stop on that PONG when it
+        comes (`InvalidStateError`, "nats: encountered error"), and the connection, shared by the host's
+        engines and maybe its other workers, then reads nothing more."""
         loop = asyncio.get_running_loop()
         while True:
             sent_at = loop.time()
             try:
                 await self._send_heartbeat()
-                await self.nc.flush(timeout=self.config.fence_after_wall_s)
             except (nats.errors.Error, TimeoutError, OSError):
-                pass  # not delivered: the next one tries again
+                pass  # not sent: the next one tries again
             else:
-                self._last_beat_wall_s = max(self._last_beat_wall_s or sent_at, sent_at)
+                if self._confirming is None or self._confirming.done():
+                    self._confirming = loop.create_task(self._confirm(sent_at), name=f"{self.config.replica_id}-hb")
             await asyncio.sleep(self.config.heartbeat_interval_wall_s)
+
+    async def _confirm(self, sent_at: float) -> None:
+        """Wait for the server's PONG to the heartbeats sent so far, then count them as confirmed from `sent_at`.
+        Not cancelled at stop (see `_heartbeat_loop`): it ends with the PONG or the connection."""
+        try:
+            await self.nc.flush(timeout=CONFIRM_WAIT_WALL_S)
+        except (nats.errors.Error, TimeoutError, OSError, asyncio.CancelledError):
+            return
+        self._last_beat_wall_s = max(self._last_beat_wall_s or sent_at, sent_at)
 
     async def _telemetry_loop(self) -> None:
         window_s = self.config.telemetry_interval_s
