@@ -49,7 +49,8 @@ async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and
     assert r["retired"] == ["a", "b"] and r["serving_after"] == ["t"]
     assert r["flip_s"] is not None and 0 <= r["flip_s"] < 5
     # requests running at the flip migrated mid-answer, and their answers are the answers without a switch
-    assert r["migrated"] >= 1, "no request was running on the old replicas when they retired"
+    assert r["migrated"] >= 1, ("no request was running on the old replicas when they retired",
+                                r.get("at_flip"), r["timeline"])
     assert r["gateway_migrated"] == r["migrated"]
     # one dispatched just before the flip may have no token yet (it starts over on the new replica); at least one
     # was mid-answer

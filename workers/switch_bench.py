@@ -315,7 +315,7 @@ class _Timeline:
 
 async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: None, *, nats_url: str = "",
                           model_name: str | None = None, request_interval_s: float = 2.0,
-                          answer_tokens: int = 128, min_in_flight: int = 2) -> dict:
+                          answer_tokens: int = 128, min_in_flight: int = 3) -> dict:
     """The pipeline part (see the module docstring): 2 x TP1 -> TP2 through the live system on NATS while streamed
     greedy requests come in, one every `request_interval_s` and sooner whenever fewer than `min_in_flight` are
     being answered (so requests are running on the old replicas when they retire, however fast the host
@@ -354,6 +354,7 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
     out: dict = {"model": model_name, "dtype": cfg.pipeline_dtype, "source": "2 x TP1", "target": "TP2"}
     nc = await nats.connect(nats_url or server.url)
     stop: list = []
+    in_flight: list[int] = []  # requests being answered now (the load below keeps it up)
     try:
         subjects = unique_subjects("bench")
         clock = Clock(speedup=1.0)
@@ -364,6 +365,10 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
             except Exception:  # another kind of plan event: not the switch's
                 return
             timeline.add(type(ev).__name__, msgspec.structs.asdict(ev))
+            if isinstance(ev, AssignmentSet) and ev.strategy_id == "s2":  # what ran where when the router flipped
+                out["at_flip"] = {"client_in_flight": in_flight[0] if in_flight else None,
+                                  "engines": {rid: {"in_flight": e.num_inflight, "stalled": e._stalled()}
+                                              for rid, e in sorted(host.engines.items())}}
 
         async def on_completed(msg) -> None:
             migrated.extend(decode(msg.data, Completed).migrated)
@@ -400,7 +405,7 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
         errors: list = []
         switched = asyncio.Event()
         finished = asyncio.Event()
-        in_flight = [0]
+        in_flight.append(0)
 
         async def one(i: int) -> None:
             t0 = time.monotonic()
