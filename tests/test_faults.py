@@ -601,6 +601,19 @@ class _RawClient:
         return any(isinstance(a, Accepted) and a.request_id == request_id for a in self.got)
 
 
+async def _journal_setup(stack, url: str) -> tuple:
+    """A connection, fresh subjects with their streams, and a plain client on them."""
+    from oserve.streams.jetstream import ensure_streams
+
+    subjects = unique_subjects()
+    nc = await nats.connect(url)
+    stack.push_async_callback(nc.close)
+    await ensure_streams(nc.jetstream(), subjects)
+    client = _RawClient(nc, subjects)
+    await client.start()
+    return nc, subjects, client
+
+
 async def _journaled_gateway(stack, url: str, subjects, gateway_id: str, **kw) -> tuple:
     """A gateway with its journal on its own connection (closed abruptly to crash it)."""
     nc = await nats.connect(url)
@@ -618,16 +631,10 @@ async def _crash(nc, gw) -> None:
 
 
 async def test_a_request_held_by_a_gateway_that_crashed_is_served_by_its_restart(server) -> None:
-    from oserve.streams.jetstream import ensure_streams
     from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 
     async with AsyncExitStack() as stack:
-        subjects = unique_subjects()
-        nc = await nats.connect(server.url)
-        stack.push_async_callback(nc.close)
-        await ensure_streams(nc.jetstream(), subjects)
-        client = _RawClient(nc, subjects)
-        await client.start()
+        nc, subjects, client = await _journal_setup(stack, server.url)
         gw_nc, gw = await _journaled_gateway(stack, server.url, subjects, "gw-a", no_replica_wait_wall_s=30.0)
         await client.send("held")  # no replica yet: held, and the client is told it is owned
         await wait_until(lambda: client.accepted("held"), 5, "the gateway to own the request")
@@ -646,16 +653,10 @@ async def test_a_request_held_by_a_gateway_that_crashed_is_served_by_its_restart
 
 
 async def test_a_dispatched_request_whose_replica_died_while_its_gateway_was_down_is_served_once(server) -> None:
-    from oserve.streams.jetstream import ensure_streams
     from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 
     async with AsyncExitStack() as stack:
-        subjects = unique_subjects()
-        nc = await nats.connect(server.url)
-        stack.push_async_callback(nc.close)
-        await ensure_streams(nc.jetstream(), subjects)
-        client = _RawClient(nc, subjects)
-        await client.start()
+        nc, subjects, client = await _journal_setup(stack, server.url)
         clock = Clock(speedup=2.0)
         doomed_nc = await nats.connect(server.url)
         doomed = EngineWorker(doomed_nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05),
@@ -690,17 +691,11 @@ async def test_a_request_answered_while_its_gateway_was_down_is_not_taken_back_b
     second restart, reading completions only from after that, does not take it back (a phantom that would be
     sent again if its replica went silent)."""
     import oserve.workers.gateway as gateway_module
-    from oserve.streams.jetstream import ensure_streams
     from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 
     monkeypatch.setattr(gateway_module, "RECOVERY_LOOKBACK_WALL_S", 0.0)  # no slack: only the journal's record
     async with AsyncExitStack() as stack:
-        subjects = unique_subjects()
-        nc = await nats.connect(server.url)
-        stack.push_async_callback(nc.close)
-        await ensure_streams(nc.jetstream(), subjects)
-        client = _RawClient(nc, subjects)
-        await client.start()
+        nc, subjects, client = await _journal_setup(stack, server.url)
         await stack.enter_async_context(EngineWorker(nc, EngineWorkerConfig(
             "r0", subjects=subjects, heartbeat_interval_wall_s=0.05), Clock(speedup=2.0)))
         gw_nc, gw = await _journaled_gateway(stack, server.url, subjects, "gw-c")
@@ -727,16 +722,10 @@ async def test_a_request_answered_while_its_gateway_was_down_is_not_taken_back_b
 async def test_a_request_on_a_replica_started_again_under_its_id_is_served_by_the_new_one(server) -> None:
     """The replica a recovered request was on died and came back under the same id, with nothing of it: its
     heartbeats say it is alive, so only sending the request to it again (marked recovered) has it served."""
-    from oserve.streams.jetstream import ensure_streams
     from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 
     async with AsyncExitStack() as stack:
-        subjects = unique_subjects()
-        nc = await nats.connect(server.url)
-        stack.push_async_callback(nc.close)
-        await ensure_streams(nc.jetstream(), subjects)
-        client = _RawClient(nc, subjects)
-        await client.start()
+        nc, subjects, client = await _journal_setup(stack, server.url)
         old_nc = await nats.connect(server.url)
         old = EngineWorker(old_nc, EngineWorkerConfig("r0", subjects=subjects, heartbeat_interval_wall_s=0.05),
                            Clock(speedup=1.0))
@@ -762,17 +751,11 @@ async def test_a_request_on_a_replica_started_again_under_its_id_is_served_by_th
 
 async def test_a_cancelled_request_is_not_taken_back_and_an_answered_one_is_released_not_answered_again(
         server) -> None:
-    from oserve.streams.jetstream import ensure_streams
     from oserve.streams.schemas import CancelRequest
     from oserve.workers.engine import EngineWorker, EngineWorkerConfig
 
     async with AsyncExitStack() as stack:
-        subjects = unique_subjects()
-        nc = await nats.connect(server.url)
-        stack.push_async_callback(nc.close)
-        await ensure_streams(nc.jetstream(), subjects)
-        client = _RawClient(nc, subjects)
-        await client.start()
+        nc, subjects, client = await _journal_setup(stack, server.url)
         gw_nc, gw = await _journaled_gateway(stack, server.url, subjects, "gw-e", no_replica_wait_wall_s=30.0)
         await client.send("abandoned")  # held: no replica
         await wait_until(lambda: client.accepted("abandoned"), 5, "the request to be owned")

@@ -768,13 +768,12 @@ class Gateway(Worker):
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
-        owners = c.released_owners if len(c.released_owners) == len(c.released) else [""] * len(c.released)
-        for request_id, owner in zip(c.released, owners):  # answered with an error, or from the cache: not to be re-dispatched
+        # answered with an error, or from the cache: not to be re-dispatched
+        for request_id, owner in _with_owners(c.released, c.released_owners):
             if self._held(request_id, owner) is not None:
                 del pending[request_id]
                 self._settle(request_id)
-        owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
-        for request_id, owner in zip(c.requeue, owners):  # dropped unanswered by a fenced engine: dispatched again
+        for request_id, owner in _with_owners(c.requeue, c.requeue_owners):  # dropped unanswered by a fenced engine: dispatched again
             p = self._held(request_id, owner)
             if p is not None and p.replica_id == c.replica_id:
                 self.num_requeued += 1
@@ -1037,13 +1036,11 @@ class Gateway(Worker):
                 if mine(item.request_id, item.owner, at):
                     owned.pop(item.request_id)
                     self._settle(item.request_id)
-            owners = c.released_owners if len(c.released_owners) == len(c.released) else [""] * len(c.released)
-            for rid, owner in zip(c.released, owners):
+            for rid, owner in _with_owners(c.released, c.released_owners):
                 if mine(rid, owner, at):
                     owned.pop(rid)
                     self._settle(rid)
-            owners = c.requeue_owners if len(c.requeue_owners) == len(c.requeue) else [""] * len(c.requeue)
-            for rid, owner in zip(c.requeue, owners):
+            for rid, owner in _with_owners(c.requeue, c.requeue_owners):
                 if mine(rid, owner, at, strictly_after=True) and owned[rid][0].replica_id == c.replica_id:
                     redo.add(rid)
             for m in c.migrated:
@@ -1082,6 +1079,12 @@ class Gateway(Worker):
                 await self.nc.publish(self.config.subjects.replica(p.replica_id),
                                       encode(msgspec.structs.replace(p.dispatch, recovered=True)), reply=p.reply,
                                       headers=dict(p.headers) if p.headers else None)
+
+
+def _with_owners(ids: list[str], owners: list[str]) -> list[tuple[str, str]]:
+    """`Completed`'s id list paired with its owner list (`released_owners`, `requeue_owners`); an older engine
+    sends no owners, and its entries match by id alone (owner ""). Pure."""
+    return list(zip(ids, owners if len(owners) == len(ids) else [""] * len(ids)))
 
 
 async def _replay(js: JetStreamContext, subject: str, stream: str, since: datetime.datetime | None):
