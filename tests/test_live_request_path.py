@@ -854,3 +854,33 @@ async def test_another_gateways_completion_of_the_same_request_id_leaves_ours_al
             assert [i.owner for i in own] == [owner_of(gw.config.gateway_id, mine.reply)]
 
     await asyncio.wait_for(main(), 30)
+
+
+async def test_a_replica_that_fences_often_delays_a_request_but_does_not_fail_it(server) -> None:
+    """A fenced replica hands back what it holds (`Completed.requeue`): its host stalled, the request did no
+    harm. Hand-backs are not failed attempts, so a request handed back more often than `max_attempts` is
+    still dispatched again and answered (once a vLLM replica on a loaded two-core host fenced three times
+    and its request was answered `no_replica`)."""
+    from oserve.streams.subjects import owner_of
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=5.0)
+            a = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="fenced",
+                                                  timeout_s=20))
+            await wait_until(lambda: "fenced" in gw.pending, 5, "the request to be in flight")
+            mine = gw.pending["fenced"]
+            owner = owner_of(gw.config.gateway_id, mine.reply)
+            handed_back = gw.config.max_attempts + 2
+            for n in range(handed_back):
+                await nc.publish(subjects.completions(), encode(Completed(
+                    replica_id="r0", items=[], requeue=["fenced"], requeue_owners=[owner])))
+                await nc.flush()
+                await wait_until(lambda: gw.num_requeued == n + 1, 5, "the hand-back to be seen")
+            assert gw.num_failed == 0 and gw.pending["fenced"].dispatch.attempt == 0
+            assert gw.num_redispatched == handed_back
+            ra = await a
+            assert (ra.input_tokens, ra.output_tokens) == (100, 200)
+
+    await asyncio.wait_for(main(), 30)

@@ -777,7 +777,7 @@ class Gateway(Worker):
             p = self._held(request_id, owner)
             if p is not None and p.replica_id == c.replica_id:
                 self.num_requeued += 1
-                await self._redispatch(request_id, p)
+                await self._redispatch(request_id, p, handed_back=True)
         for m in c.migrated:  # handed over mid-answer by a retiring replica: continued on a new one
             p = self._held(m.request_id, m.owner)
             if p is not None and p.replica_id == c.replica_id:
@@ -796,11 +796,14 @@ class Gateway(Worker):
 
     # --- nothing lost --------------------------------------------------------------------------------
 
-    async def _redispatch(self, rid: str, p: _Pending, *, migrated: bool = False) -> None:
-        """Dispatch a held request again (its replica died, fenced, or, `migrated`, handed it over in a switch:
-        not a failed attempt)."""
+    async def _redispatch(self, rid: str, p: _Pending, *, migrated: bool = False,
+                          handed_back: bool = False) -> None:
+        """Dispatch a held request again: its replica died (a failed attempt), or it was `handed_back` by a
+        replica that fenced itself (it stalled: a slow host, not a request that kills engines), or `migrated`
+        in a switch; neither of the last two is a failed attempt, and the request's deadline still bounds how
+        often it can come back."""
         first = p.wait_until_wall_s is not None  # held since it came in: this is its first dispatch
-        attempt = p.dispatch.attempt + (0 if first or migrated else 1)
+        attempt = p.dispatch.attempt + (0 if first or migrated or handed_back else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
             self._settle(rid)
