@@ -75,6 +75,22 @@ def least_loaded(loads: Sequence[ReplicaLoad], eligible: Sequence[float] | None)
     return None
 
 
+SURPLUS_FACTOR = 1.5
+"""A class has arrived beyond its plan in a span once its arrivals so far exceed this many times what the
+plan's forecast gave it for the time elapsed ..."""
+SURPLUS_SLACK = 10.0
+"""... plus this many requests (a Poisson count's noise at the start of a span is not a surplus)."""
+
+
+def beyond_plan(arrived: float, planned_rps: float, elapsed_s: float) -> bool:
+    """Whether a class's `arrived` requests in a span, `elapsed_s` into it, exceed what the plan forecast
+    for it (`planned_rps`) by `SURPLUS_FACTOR` and `SURPLUS_SLACK`. The router then sends that class's
+    requests to the least loaded replica of any class: the plan gave it replicas sized for its forecast,
+    and a mix that moved away from the forecast queues there while replicas planned for the classes that
+    fell idle (the next plan answers it; this bounds the span until then). Pure."""
+    return arrived > SURPLUS_FACTOR * max(planned_rps, 0.0) * max(elapsed_s, 0.0) + SURPLUS_SLACK
+
+
 def round_robin(loads: Sequence[ReplicaLoad], counter: int) -> int | None:
     """The first accepting replica at or after `counter` modulo the number of replicas (round robin,
     skipping replicas that do not accept), a ready one when any is; None when none accepts. Pure."""

@@ -252,3 +252,30 @@ async def test_a_planner_that_does_not_learn_reads_no_telemetry(server, inputs) 
         await nc.close()
 
     await asyncio.wait_for(main(), 20)
+
+
+def test_queues_from_a_mix_the_forecast_missed_are_not_held_against_the_model(inputs) -> None:
+    """The guard blames the capacity model for queues that grew only when the span's real arrivals (per
+    class, as routed by the plan's weights) stayed within what the model says each replica carries; a mix
+    that moved past its forecast is the forecast's miss (`SpanRecord.arrivals_by_class`)."""
+    from oserve.decision import Decision
+    from oserve.planner.candidates import homogeneous_deployment
+
+    planner = fresh_planner(inputs)
+    table = planner.ctx.table
+    two = homogeneous_deployment(planner.ctx.cluster, TP1)
+    k = len(planner.class_names)
+    n0 = table.rate(TP1, 0)
+    weights = tuple(tuple([0.3 * n0, 0.0] if j == 0 else [0.0, 0.3 * table.rate(TP1, j)] if j == 1 else [0.0, 0.0])
+                    for j in range(k))
+    decision = Decision(two, weights, forecast_rps=tuple(sum(w) for w in weights), label="reroute")
+
+    def span(class0_rps: float) -> SpanRecord:
+        by_class = tuple(class0_rps * SPAN_S if j == 0 else 0.0 for j in range(k))
+        return SpanRecord((), sum(by_class), 0.0, SPAN_S, waiting_growth=0.5 * sum(by_class),
+                          arrivals_by_class=by_class)
+
+    assert planner.observe(span(0.3 * n0), decision).underserved  # as planned, yet queues grew: the model
+    assert not planner.observe(span(3.0 * n0), decision).underserved  # 3x its capacity came: the forecast
+    assert planner.observe(SpanRecord((), 3.0 * n0 * SPAN_S, 0.0, SPAN_S, waiting_growth=1.5 * n0 * SPAN_S),
+                           decision).underserved  # without the arrivals per class, judged as before

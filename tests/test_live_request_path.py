@@ -259,11 +259,30 @@ async def test_router_follows_the_published_assignment(server) -> None:
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(stack, server.url)
             await nc.publish(subjects.plan_event("assignment"),
-                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 0.0, "r1": 1.0}])))
+                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 0.0, "r1": 100.0}])))
             await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
             replies = await asyncio.gather(*[client.submit(input_tokens=30, max_tokens=3, timeout_s=10)
                                              for _ in range(20)])
-            assert {r.replica_id for r in replies} == {"r1"}
+            assert {r.replica_id for r in replies} == {"r1"} and gw.num_beyond_plan == 0
+
+    await asyncio.wait_for(main(), 30)
+
+
+async def test_a_class_that_comes_beyond_its_plan_is_routed_to_any_replica(server) -> None:
+    """The plan gives the class r1 at 0.01 requests/s; 30 come at once. The first ones go to r1 as planned,
+    and once the class is 1.5x its plan plus 10 requests beyond (`oserve.routing.beyond_plan`, as the
+    simulator routes), the rest go to the least loaded replica of any class: r0 takes some."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=1.0)
+            await nc.publish(subjects.plan_event("assignment"),
+                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 0.0, "r1": 0.01}])))
+            await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
+            replies = await asyncio.gather(*[client.submit(input_tokens=30, max_tokens=3, timeout_s=10)
+                                             for _ in range(30)])
+            where = [r.replica_id for r in replies]
+            assert where.count("r1") >= 10 and "r0" in where
+            assert gw.num_beyond_plan == 30 - 10
 
     await asyncio.wait_for(main(), 30)
 

@@ -74,3 +74,45 @@ def test_round_robin_takes_the_next_accepting_replica_a_ready_one_first(loads, c
     steps = (k - counter) % n
     assert not any(loads[(counter + s) % n].accepting and (loads[(counter + s) % n].ready or not any_ready)
                    for s in range(steps))
+
+
+@given(st.floats(0, 1000), st.floats(0, 100), st.floats(0, 120))
+def test_beyond_plan_is_the_surplus_over_the_forecast_share_of_the_span(arrived, planned_rps, elapsed_s) -> None:
+    """A class is beyond its plan exactly when its arrivals so far exceed 1.5x its planned rate times the
+    time elapsed, plus 10 requests; never within the slack; more arrivals never bring it back."""
+    from oserve.routing import SURPLUS_FACTOR, SURPLUS_SLACK, beyond_plan
+
+    assert beyond_plan(arrived, planned_rps, elapsed_s) == (arrived > SURPLUS_FACTOR * planned_rps * elapsed_s
+                                                            + SURPLUS_SLACK)
+    if arrived <= SURPLUS_SLACK:
+        assert not beyond_plan(arrived, planned_rps, elapsed_s)
+    if beyond_plan(arrived, planned_rps, elapsed_s):
+        assert beyond_plan(arrived + 1.0, planned_rps, elapsed_s)
+        if planned_rps > 0:  # at the planned rate, the time catches up with the arrivals
+            assert not beyond_plan(arrived, planned_rps,
+                                   elapsed_s + (arrived - SURPLUS_SLACK) / (SURPLUS_FACTOR * planned_rps) + 1.0)
+
+
+def test_the_simulated_gateway_routes_a_class_beyond_its_plan_to_any_replica() -> None:
+    """The simulator's gateway (`oserve.evaluation.policies.Gateway`): a class the plan gave one replica at
+    1 request/s goes there while it arrives at that rate, and to the least loaded replica of all once it
+    has come 1.5x beyond it (plus the slack) in the span."""
+    import numpy as np
+
+    from oserve.decision import Decision
+    from oserve.evaluation.policies import Gateway
+    from oserve.sim.kernel import ArrivalInfo
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.specs import ReplicaShape, cluster_for_gpus
+
+    gw = Gateway("g", 2)
+    two = homogeneous_deployment(cluster_for_gpus(2), ReplicaShape(1, 1))
+    gw.current = Decision(two, ((1.0, 0.0), (0.0, 1.0)), forecast_rps=(1.0, 1.0))
+    loads = [Load(True, 0.9, 9), Load(True, 0.1, 1)]  # the planned replica of class 0 is the busier one
+    routed = []
+    for i in range(20):  # class 0 at 10/s for 2 s: planned 1/s
+        gw._record(ArrivalInfo(request_index=i, arrival_s=0.1 * i, input_tokens=10, max_tokens=0, client_id=0), 0)
+        routed.append(gw.route(0, loads))
+    arrived = np.arange(1, 21)
+    expected = [1 if a > 1.5 * 1.0 * (0.1 * i) + 10 else 0 for i, a in enumerate(arrived)]
+    assert routed == expected and routed[:10] == [0] * 10 and routed[-1] == 1

@@ -94,7 +94,7 @@ from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 from oserve.online_types import OnlineTypes
-from oserve.routing import least_loaded
+from oserve.routing import beyond_plan, least_loaded
 from oserve.traces import context_rule
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,10 @@ class GatewayConfig:
     liveness_check_wall_s: float = 0.25
     arrival_flush_wall_s: float = 0.05
     """Accepted requests are batched into one `Arrived` event for at most this long."""
+    surplus_window_s: float = 60.0
+    """Clock seconds over which each class's arrivals are counted against the rate its assignment plans for
+    it (the planning span; the count restarts with each assignment too): a class that came beyond its
+    plan (`oserve.routing.beyond_plan`) is routed to the least loaded replica of any class."""
     max_attempts: int = 3
     """Dispatches of one request before it is answered with an error."""
     max_pending: int = 50_000
@@ -194,6 +198,8 @@ class GatewayConfig:
             raise ConfigError(f"GatewayConfig.max_waiting_per_replica must be >= 1, got {self.max_waiting_per_replica}")
         if self.reply_roots is not None and not self.reply_roots:
             raise ConfigError("GatewayConfig.reply_roots must name at least one inbox root (or be None)")
+        if not self.surplus_window_s > 0:
+            raise ConfigError(f"GatewayConfig.surplus_window_s must be > 0, got {self.surplus_window_s}")
         if not self.no_replica_wait_wall_s >= 0:
             raise ConfigError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
 
@@ -314,6 +320,9 @@ class Gateway(Worker):
         self._replicas: dict[str, _Replica] = {}
         self._eligible: list[str] = []
         self._weights: list[dict[str, float]] | None = None  # type index -> replica_id -> weight
+        self._window_counts: dict[int, int] = {}  # type index -> arrivals since `_window_start_s`
+        self._window_start_s = 0.0  # clock time the arrival counts against the plan restarted
+        self.num_beyond_plan = 0  # requests routed to any replica because their class came beyond its plan
         self.pending: dict[str, _Pending] = {}  # request_id -> what was forwarded and where
         self._arrivals: list[Arrival] = []
         self._replicas_changed = asyncio.Event()
@@ -452,6 +461,7 @@ class Gateway(Worker):
             return
         assert isinstance(a, AssignmentSet)
         self._weights = [dict(w) for w in a.weights]
+        self._window_counts, self._window_start_s = {}, self.clock.now_s()
         self.strategy_id = a.strategy_id
         # the switch that put this assignment in force: every request routed by it links to its trace
         parent = extract(headers)
@@ -467,14 +477,26 @@ class Gateway(Worker):
         r.num_running, r.kv_capacity_tokens = hb.num_running, hb.kv_capacity_tokens
         r.sent_tokens = r.sent_requests = 0
 
+    def _count_arrival(self, type_index: int) -> None:
+        """Count a new request of the class against its plan, in windows of `surplus_window_s` clock seconds."""
+        now = self.clock.now_s()
+        if now - self._window_start_s >= self.config.surplus_window_s:
+            self._window_counts, self._window_start_s = {}, now
+        self._window_counts[type_index] = self._window_counts.get(type_index, 0) + 1
+
     def _route(self, type_index: int) -> str | None:
-        """The least loaded eligible replica for the class (`oserve.routing.least_loaded`)."""
+        """The least loaded eligible replica for the class (`oserve.routing.least_loaded`); any replica's when
+        the class came beyond its plan in this window (`oserve.routing.beyond_plan`), as the simulator routes."""
         if not self._eligible:
             return None
         eligible = None
         if self._weights is not None and type_index < len(self._weights):
             w = self._weights[type_index]
             eligible = [w.get(rid, 0.0) for rid in self._eligible]
+            if beyond_plan(self._window_counts.get(type_index, 0), sum(w.values()),
+                           self.clock.now_s() - self._window_start_s):
+                eligible = None
+                self.num_beyond_plan += 1
         k = least_loaded([self._replicas[rid] for rid in self._eligible], eligible)
         return self._eligible[k] if k is not None else None
 
@@ -662,6 +684,7 @@ class Gateway(Worker):
                 return
             now = asyncio.get_running_loop().time()
             timeout_s = deadline_s(req.timeout_s, cfg.max_request_wall_s)
+            self._count_arrival(type_index)
             replica_id = self._route(type_index)
             if replica_id is None and cfg.no_replica_wait_wall_s == 0:
                 await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")

@@ -218,7 +218,7 @@ class SchedulerWorker(Worker):
             span = int(c.finished_at_s // span_s)
             self._num_completed[span] = self._num_completed.get(span, 0) + 1
 
-    def span_record(self, span_index: int, arrivals: int) -> SpanRecord:
+    def span_record(self, span_index: int, arrivals: int, arrivals_by_class: tuple[float, ...] = ()) -> SpanRecord:
         """What the replicas of the decision in force did since the last forecast event (their latest heartbeats
         now against then, their completions between), and the span's arrivals and completions; moves the
         snapshot on and forgets what it no longer needs."""
@@ -228,7 +228,7 @@ class SchedulerWorker(Worker):
         record, self._saturated = span_record(
             self._counters, now, self._completions, len(planner.class_names), self.config.span_s, arrivals=arrivals,
             num_completed=self._num_completed.get(span_index, 0), saturated_before=self._saturated,
-            saturated_frac=planner.learner.config.saturated_frac)
+            saturated_frac=planner.learner.config.saturated_frac, arrivals_by_class=arrivals_by_class)
         self._counters = now
         self._completions = [c for c in self._completions
                              if c.replica_id in now and c.finished_at_s > now[c.replica_id].at_s]
@@ -256,8 +256,10 @@ class SchedulerWorker(Worker):
     async def _on_forecast(self, ev: ForecastMade, msg: Msg) -> None:
         try:
             rates = np.asarray(ev.forecast_rps, dtype=float)
-            arrivals = len(self._arrivals.get(ev.span_index, ()))
-            await self._decide(ev.span_index, rates, self.pattern(ev.span_index), msg.headers, arrivals)
+            seen = self._arrivals.get(ev.span_index, ())
+            by_class = np.bincount([c for _, c in seen if c >= 0], minlength=len(rates)) if seen else np.zeros(len(rates))
+            await self._decide(ev.span_index, rates, self.pattern(ev.span_index), msg.headers, len(seen),
+                               tuple(float(c) for c in by_class))
         except Exception:  # outermost: a failed plan keeps the current strategy
             log.exception("scheduler: planning for span %d failed", ev.span_index)
 
@@ -268,7 +270,7 @@ class SchedulerWorker(Worker):
         return self.planner.plan(rates, self.current, recent, self.config.span_s)
 
     async def _decide(self, span_index: int, rates: np.ndarray, recent: ArrivalPattern | None,
-                      headers, arrivals: int = 0) -> StrategyChosen:
+                      headers, arrivals: int = 0, arrivals_by_class: tuple[float, ...] = ()) -> StrategyChosen:
         async with self._lock:
             span = None
             if self.tracer is not None:
@@ -284,7 +286,8 @@ class SchedulerWorker(Worker):
             try:
                 # the span that closed, before planning; learning (a model replica simulated per new class mix)
                 # is part of the decision's time: the strategy waits for it
-                record = self.span_record(span_index, arrivals) if self.learning and span_index >= 0 else None
+                record = self.span_record(span_index, arrivals, arrivals_by_class) \
+                    if self.learning and span_index >= 0 else None
                 started = time.perf_counter()
                 decision = await asyncio.to_thread(self._observe_and_plan, record, rates, recent)
                 took = time.perf_counter() - started

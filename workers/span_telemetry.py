@@ -82,7 +82,8 @@ def served_through(before: Mapping[str, ReplicaCounters], now: Mapping[str, Repl
 def span_record(before: Mapping[str, ReplicaCounters], now: Mapping[str, ReplicaCounters],
                 completions: Iterable[Completion], num_classes: int, span_s: float, *, arrivals: float,
                 num_completed: float, saturated_before: frozenset[str] = frozenset(),
-                saturated_frac: float = 0.95) -> tuple[SpanRecord, frozenset[str]]:
+                saturated_frac: float = 0.95,
+                arrivals_by_class: tuple[float, ...] = ()) -> tuple[SpanRecord, frozenset[str]]:
     """The `SpanRecord` of the span between two snapshots, and the replicas saturated through it (the next
     span's `saturated_before`). Pure.
 
@@ -90,8 +91,9 @@ def span_record(before: Mapping[str, ReplicaCounters], now: Mapping[str, Replica
     saturated seconds differenced, its completions (from `completions`, by replica id) that finished between
     them counted by the class the gateway routed them as (`Completion.type_index`), their mean time per
     output token `(e2e_s - ttft_s) / (output_tokens - 1)`. `saturated_before` names the replicas saturated
-    through the span before. `arrivals` and `num_completed` are the span's (all replicas); the waiting
-    growth is summed over the replicas that served through."""
+    through the span before. `arrivals` and `num_completed` are the span's (all replicas), and
+    `arrivals_by_class` its arrivals per class as the gateway classed them; the waiting growth is summed
+    over the replicas that served through."""
     kept = served_through(before, now)
     by_replica: dict[str, list[_Served]] = {rid: [] for rid in kept}
     for c in completions:
@@ -111,4 +113,5 @@ def span_record(before: Mapping[str, ReplicaCounters], now: Mapping[str, Replica
         if saturated_gpus({b.gpu_ids: b}, [n], seconds, saturated_frac):
             saturated.add(rid)
     growth = float(sum(now[rid].num_waiting - before[rid].num_waiting for rid in kept))
-    return SpanRecord(tuple(windows), float(arrivals), float(num_completed), span_s, growth), frozenset(saturated)
+    return SpanRecord(tuple(windows), float(arrivals), float(num_completed), span_s, growth,
+                      tuple(arrivals_by_class)), frozenset(saturated)

@@ -27,7 +27,7 @@ from oserve.online_types import OnlineTypes
 from oserve.planner.prior import Prior, client_tag
 from oserve.planner.static import everywhere
 from oserve.planner.twin import ArrivalPattern
-from oserve.routing import ReplicaLoad, least_loaded
+from oserve.routing import ReplicaLoad, beyond_plan, least_loaded
 from oserve.sim.kernel import ArrivalInfo, SpanView
 from oserve.specs import Deployment
 from oserve.traces import Trace
@@ -55,6 +55,7 @@ class Gateway:
         boundary): a cache, not knowledge; the answers are the estimator's own."""
         self.current: Decision | None = None
         self._span_start_s = 0.0
+        self._last_arrival_s = 0.0
         self._counts = np.zeros(self.k)
         self._offsets: list[float] = []
         self._classes: list[int] = []
@@ -79,12 +80,20 @@ class Gateway:
     def _record(self, arrival: ArrivalInfo, cls: int) -> int:
         """Count the arrival in class `cls` for the span's counts and arrival pattern; return `cls`."""
         self._counts[cls] += 1
+        self._last_arrival_s = arrival.arrival_s
         self._offsets.append(arrival.arrival_s - self._span_start_s)
         self._classes.append(cls)
         return cls
 
     def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
-        return least_loaded(loads, self.current.eligible(class_index) if self.current is not None else None)
+        current = self.current
+        if current is None:
+            return least_loaded(loads, None)
+        eligible = current.eligible(class_index)
+        if eligible is not None and beyond_plan(float(self._counts[class_index]), float(sum(eligible)),
+                                                self._last_arrival_s - self._span_start_s):
+            eligible = None  # this class came beyond its plan: any replica (`oserve.routing.beyond_plan`)
+        return least_loaded(loads, eligible)
 
     # --- at a span boundary -------------------------------------------------------------------------
 
@@ -140,7 +149,7 @@ class OServePolicy(Gateway):
 
     def decide(self, view: SpanView) -> Decision | None:
         if self.adaptive is not None:
-            span = self.telemetry.span(view, float(self._counts.sum()))
+            span = self.telemetry.span(view, float(self._counts.sum()), self._counts)
             if view.current is not None:
                 out = self.adaptive.observe(span, view.current)
                 self.outcomes.append({"span_index": view.span_index, "underserved": out.underserved,
@@ -173,13 +182,14 @@ class Telemetry:
         self._before: dict = {}
         self._saturated: set = set()
 
-    def span(self, view: SpanView, arrivals: float) -> SpanRecord:
+    def span(self, view: SpanView, arrivals: float, by_class: np.ndarray | None = None) -> SpanRecord:
         windows = replica_windows(self._before, view.replicas, view.completed, self.k, view.span_s, self._saturated)
         self._saturated = saturated_gpus(self._before, view.replicas, view.span_s, self.saturated_frac)
         growth = sum(r.num_waiting - self._before[tuple(r.gpu_ids)].num_waiting for r in view.replicas
                      if tuple(r.gpu_ids) in self._before and self._before[tuple(r.gpu_ids)].shape == r.shape)
         self._before = {tuple(r.gpu_ids): r for r in view.replicas}
-        return SpanRecord(tuple(windows), arrivals, float(len(view.completed)), view.span_s, float(growth))
+        return SpanRecord(tuple(windows), arrivals, float(len(view.completed)), view.span_s, float(growth),
+                          tuple(float(c) for c in by_class) if by_class is not None else ())
 
 
 class MeasuringStaticPolicy(Gateway):

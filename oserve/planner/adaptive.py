@@ -10,10 +10,15 @@ live scheduler worker): each span it is told what every replica did (a `SpanReco
   decision in force is rescored at once, whatever the forecast did: the capacities it was scored with
   are no longer believed.
 - **Underserving.** A deployment underserves in a span when one of its replicas, given at most
-  `planned_utilisation` of its (learned) capacity by the plan, was saturated through the span (requests
-  waited: it could not take what it was sent) or finished its requests at more than `tpot_factor` times
-  the time per output token the model expects at that load (`CapacityTable.tbt_at`), or when the
-  requests waiting in its engines grew by more than `backlog_frac` of the span's arrivals.
+  `planned_utilisation` of its (learned) capacity by the plan and by the span's real arrivals, was
+  saturated through the span (requests waited: it could not take what it was sent) or finished its
+  requests at more than `tpot_factor` times the time per output token the model expects at that load
+  (`CapacityTable.tbt_at`), or when the requests waiting in its engines grew by more than `backlog_frac`
+  of the span's arrivals while no replica was given more than `planned_utilisation` by those arrivals.
+  The real arrivals per class (`SpanRecord.arrivals_by_class`) are routed as the plan's weights route
+  them: a mix that moved away from the forecast loads the replicas it was not planned for, and queues
+  there are the forecast's miss, which the next plan answers, not evidence against the model (a guard
+  that fired on them moved OServe to the static shape for the rest of a shifting run).
 - **Measured deployments.** Every deployment that ran is remembered: its spans, the highest demand it
   served without underserving, the most it finished per second when it underserved, and, for the runs
   measured before the window (`seed`: the static candidates on the history, as an operator measures
@@ -113,6 +118,10 @@ class SpanRecord:
     completions: float
     span_s: float
     waiting_growth: float = 0.0
+    arrivals_by_class: tuple[float, ...] = ()
+    """The span's arrivals per class as the gateway classed them (empty: unknown). With them a replica is
+    judged at the load the span really gave it, not only at the one the forecast planned: a mix that moved
+    away from its forecast overloads some replicas, and that is the forecast's miss, not the model's."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,10 @@ class SelfCorrectingPlanner:
     def _record(self, deployment: Deployment, weights, span: SpanRecord) -> SpanOutcome:
         cfg = self.guard
         planned = self._planned_utilisation(deployment, weights) if weights is not None else None
+        given = self._given_utilisation(deployment, weights, span)
+        if given is not None:
+            planned = given if planned is None else [max(a, b) for a, b in zip(planned, given)]
+        overrun = given is not None and max(given, default=0.0) > cfg.planned_utilisation
         sat_frac = self.learner.config.saturated_frac
         learned = sum(self.learner.observe(w) for w in span.windows)
         saturated = [w for w in span.windows if w.saturated_s >= sat_frac * w.seconds]
@@ -256,7 +269,7 @@ class SelfCorrectingPlanner:
             elif not loaded and w.tpot_s > cfg.tpot_factor * self._expected_tbt(deployment, weights, ks[0], span):
                 early += 1
         growth = span.waiting_growth
-        underserved = early > 0 or growth > cfg.backlog_frac * max(span.arrivals, 1.0)
+        underserved = early > 0 or (not overrun and growth > cfg.backlog_frac * max(span.arrivals, 1.0))
         record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
         record.spans += 1
         if underserved:
@@ -297,6 +310,29 @@ class SelfCorrectingPlanner:
                 if k < len(row) and rows[k][j] > 0:
                     use += row[k] / rows[k][j]
             out.append(use)
+        return out
+
+    def _given_utilisation(self, deployment: Deployment, weights, span: SpanRecord) -> list[float] | None:
+        """Each replica's share of its (learned) capacity that the span's real arrivals gave it, each class's
+        arrivals split over its replicas in proportion to the plan's weights (over every replica for a class
+        the plan gave none, as the router sends it anywhere); None without the arrivals per class."""
+        if not span.arrivals_by_class or not deployment.replicas:
+            return None
+        rows = self.ctx.table.matrix(deployment.shapes())
+        m = len(deployment.replicas)
+        out = [0.0] * m
+        for j, count in enumerate(span.arrivals_by_class):
+            if count <= 0:
+                continue
+            row = [max(float(weights[j][k]), 0.0) if weights is not None and j < len(weights) and k < len(weights[j])
+                   else 0.0 for k in range(m)]
+            total = sum(row)
+            shares = [w / total for w in row] if total > 0 else [1.0 / m] * m
+            rate = count / span.span_s
+            for k in range(m):
+                if shares[k] > 0:
+                    n = rows[k][j] if j < len(rows[k]) else 0.0
+                    out[k] += rate * shares[k] / n if n > 0 else math.inf
         return out
 
     def thin_evidence(self, deployment: Deployment) -> bool:
