@@ -13,6 +13,11 @@ requests, then to the lower index.
 
 A replica still loading its weights (switching in) is not ready: a real router does not know it until
 its engine is up. It gets a request only when no ready replica accepts; requests then wait in its queue.
+
+A class that comes beyond its plan within a span (`beyond_plan`) is routed among all replicas: the
+simulator's gateway and the live gateway count each class's arrivals against the rate the decision
+gives it. The twin does not count: it scores a plan on a span drawn at the forecast's counts, so it does
+not see a class arrive beyond its plan (a mix the forecast missed is scored by neither).
 """
 
 from __future__ import annotations

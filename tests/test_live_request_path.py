@@ -257,9 +257,11 @@ async def test_a_stalled_gateway_does_not_declare_its_replicas_dead(server) -> N
 async def test_router_follows_the_published_assignment(server) -> None:
     async def main() -> None:
         async with AsyncExitStack() as stack:
-            nc, subjects, gw, engines, client = await start_system(stack, server.url)
+            # a plan far above the 20 requests, in one surplus window: the class is never beyond it
+            nc, subjects, gw, engines, client = await start_system(stack, server.url,
+                                                                   gateway_kwargs={"surplus_window_s": 1e9})
             await nc.publish(subjects.plan_event("assignment"),
-                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 0.0, "r1": 100.0}])))
+                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 0.0, "r1": 1e6}])))
             await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
             replies = await asyncio.gather(*[client.submit(input_tokens=30, max_tokens=3, timeout_s=10)
                                              for _ in range(20)])
@@ -903,3 +905,43 @@ async def test_a_replica_that_fences_often_delays_a_request_but_does_not_fail_it
             assert (ra.input_tokens, ra.output_tokens) == (100, 200)
 
     await asyncio.wait_for(main(), 30)
+
+
+async def test_a_handed_back_request_goes_to_another_replica_when_one_accepts(server) -> None:
+    """A hand-back comes from a replica that stalled: the request is dispatched to another replica, even one
+    the plan does not give its class, and back to the stalled one only when it is the only one accepting."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=5.0,
+                                                                   gateway_kwargs={"surplus_window_s": 1e9})
+            await nc.publish(subjects.plan_event("assignment"),
+                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 1e6, "r1": 0.0}])))
+            await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
+            a = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="stalled",
+                                                  timeout_s=20))
+            await wait_until(lambda: "stalled" in gw.pending, 5, "the request to be in flight")
+            assert gw.pending["stalled"].replica_id == "r0"
+            await wait_until(lambda: engines[0]._inflight, 5, "r0 to hold the request")
+            await engines[0]._fence()  # what it does after a stall: drop it unanswered and hand it back
+            await wait_until(lambda: gw.num_requeued == 1, 5, "the hand-back to be seen")
+            assert gw.pending["stalled"].replica_id == "r1" and gw.pending["stalled"].dispatch.attempt == 0
+            ra = await a
+            assert ra.replica_id == "r1" and ra.output_tokens == 200
+
+    await asyncio.wait_for(main(), 30)
+
+
+def test_a_gateway_counts_its_arrivals_against_its_share_of_the_plan() -> None:
+    """With two gateways behind a balancer, each sees half the arrivals: at `plan_share` 0.5 a class is
+    beyond its plan once this gateway's count passes 1.5x half the plan's rate (plus the slack)."""
+    from oserve.errors import ConfigError
+
+    clock = Clock()
+    whole, half = (Gateway(None, GatewayConfig(plan_share=share), clock) for share in (1.0, 0.5))
+    for gw in (whole, half):
+        gw._weights = [{"r0": 6.0, "r1": 4.0}]  # the class planned at 10 requests/s over the cluster
+        gw._window_start_s = clock.now_s() - 10.0  # 10 s into the window
+        gw._window_counts = {0: 100}  # at 10/s: the whole cluster's count, or twice this half's
+    assert not whole._beyond_plan(0) and half._beyond_plan(0)  # 100 > 1.5 * 5 * 10 + 10 = 85; not > 160
+    with pytest.raises(ConfigError):
+        GatewayConfig(plan_share=0.0)

@@ -88,9 +88,9 @@ def test_beyond_plan_is_the_surplus_over_the_forecast_share_of_the_span(arrived,
         assert not beyond_plan(arrived, planned_rps, elapsed_s)
     if beyond_plan(arrived, planned_rps, elapsed_s):
         assert beyond_plan(arrived + 1.0, planned_rps, elapsed_s)
-        if planned_rps > 0:  # at the planned rate, the time catches up with the arrivals
+        if planned_rps > 0:  # at the planned rate, the time catches up with the arrivals (a request's margin)
             assert not beyond_plan(arrived, planned_rps,
-                                   elapsed_s + (arrived - SURPLUS_SLACK) / (SURPLUS_FACTOR * planned_rps) + 1.0)
+                                   elapsed_s + (arrived - SURPLUS_SLACK + 1.0) / (SURPLUS_FACTOR * planned_rps))
 
 
 def test_the_simulated_gateway_routes_a_class_beyond_its_plan_to_any_replica() -> None:

@@ -154,6 +154,10 @@ class GatewayConfig:
     """Clock seconds over which each class's arrivals are counted against the rate its assignment plans for
     it (the planning span; the count restarts with each assignment too): a class that came beyond its
     plan (`oserve.routing.beyond_plan`) is routed to the least loaded replica of any class."""
+    plan_share: float = 1.0
+    """This gateway's share of the cluster's arrivals: the plan's rates are for the whole cluster, so with
+    several gateways behind a balancer each counts its own arrivals against this share of the plan (1/n for
+    n gateways an even balancer feeds). Left at 1 with several gateways, a class is seen beyond its plan late."""
     max_attempts: int = 3
     """Dispatches of one request before it is answered with an error."""
     max_pending: int = 50_000
@@ -200,6 +204,8 @@ class GatewayConfig:
             raise ConfigError("GatewayConfig.reply_roots must name at least one inbox root (or be None)")
         if not self.surplus_window_s > 0:
             raise ConfigError(f"GatewayConfig.surplus_window_s must be > 0, got {self.surplus_window_s}")
+        if not 0 < self.plan_share <= 1:
+            raise ConfigError(f"GatewayConfig.plan_share must be in (0, 1], got {self.plan_share}")
         if not self.no_replica_wait_wall_s >= 0:
             raise ConfigError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
 
@@ -298,6 +304,8 @@ class _Pending:
     """Loop time past which nobody waits for the answer (its `timeout_s`, or `max_request_wall_s`)."""
     fingerprint: str = ""
     """What the request asks (`oserve.streams.schemas.fingerprint`): a reused id with other content is refused."""
+    free_retry: bool = False
+    """Held after a hand-back or a migration no replica could take at once: its next dispatch is no failed attempt."""
 
 
 class Gateway(Worker):
@@ -322,7 +330,7 @@ class Gateway(Worker):
         self._weights: list[dict[str, float]] | None = None  # type index -> replica_id -> weight
         self._window_counts: dict[int, int] = {}  # type index -> arrivals since `_window_start_s`
         self._window_start_s = 0.0  # clock time the arrival counts against the plan restarted
-        self.num_beyond_plan = 0  # requests routed to any replica because their class came beyond its plan
+        self.num_beyond_plan = 0  # requests accepted while their class was beyond its plan (routed to any replica)
         self.pending: dict[str, _Pending] = {}  # request_id -> what was forwarded and where
         self._arrivals: list[Arrival] = []
         self._replicas_changed = asyncio.Event()
@@ -484,19 +492,31 @@ class Gateway(Worker):
             self._window_counts, self._window_start_s = {}, now
         self._window_counts[type_index] = self._window_counts.get(type_index, 0) + 1
 
-    def _route(self, type_index: int) -> str | None:
+    def _beyond_plan(self, type_index: int) -> bool:
+        """Whether the class came beyond its plan in this window (`oserve.routing.beyond_plan`)."""
+        if self._weights is None or type_index >= len(self._weights):
+            return False
+        return beyond_plan(self._window_counts.get(type_index, 0),
+                           self.config.plan_share * sum(self._weights[type_index].values()),
+                           self.clock.now_s() - self._window_start_s)
+
+    def _route(self, type_index: int, avoid: str | None = None) -> str | None:
         """The least loaded eligible replica for the class (`oserve.routing.least_loaded`); any replica's when
-        the class came beyond its plan in this window (`oserve.routing.beyond_plan`), as the simulator routes."""
+        the class came beyond its plan in this window (`_beyond_plan`), as the simulator routes. A replica
+        to `avoid` (one that just handed the request back) is taken only when no other accepts."""
         if not self._eligible:
             return None
         eligible = None
-        if self._weights is not None and type_index < len(self._weights):
+        if self._weights is not None and type_index < len(self._weights) and not self._beyond_plan(type_index):
             w = self._weights[type_index]
             eligible = [w.get(rid, 0.0) for rid in self._eligible]
-            if beyond_plan(self._window_counts.get(type_index, 0), sum(w.values()),
-                           self.clock.now_s() - self._window_start_s):
-                eligible = None
-                self.num_beyond_plan += 1
+        if avoid is not None and avoid in self._eligible and len(self._eligible) > 1:
+            others = [rid for rid in self._eligible if rid != avoid]
+            k = least_loaded([self._replicas[rid] for rid in others],
+                             None if eligible is None else [e for rid, e in zip(self._eligible, eligible)
+                                                             if rid != avoid])
+            if k is not None:
+                return others[k]
         k = least_loaded([self._replicas[rid] for rid in self._eligible], eligible)
         return self._eligible[k] if k is not None else None
 
@@ -685,6 +705,7 @@ class Gateway(Worker):
             now = asyncio.get_running_loop().time()
             timeout_s = deadline_s(req.timeout_s, cfg.max_request_wall_s)
             self._count_arrival(type_index)
+            surplus = self._beyond_plan(type_index)
             replica_id = self._route(type_index)
             if replica_id is None and cfg.no_replica_wait_wall_s == 0:
                 await self._reject(msg, req.request_id, ErrorCode.NO_REPLICA, "no live replica to serve the request")
@@ -723,6 +744,7 @@ class Gateway(Worker):
             await self._own(self.pending[req.request_id])  # journaled before the client hears it is accepted
             await self._accepted(req, msg.reply)
             self.num_accepted += 1
+            self.num_beyond_plan += surplus
             if self.metrics is not None:
                 self.metrics.accepted.inc()
             self._arrivals.append(Arrival(request_id=req.request_id, at_s=self.clock.now_s(),
@@ -826,7 +848,8 @@ class Gateway(Worker):
         in a switch; neither of the last two is a failed attempt, and the request's deadline still bounds how
         often it can come back."""
         first = p.wait_until_wall_s is not None  # held since it came in: this is its first dispatch
-        attempt = p.dispatch.attempt + (0 if first or migrated or handed_back else 1)
+        free = first or migrated or handed_back or p.free_retry
+        attempt = p.dispatch.attempt + (0 if free else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
             self._settle(rid)
@@ -838,14 +861,16 @@ class Gateway(Worker):
                     request_id=rid, code=ErrorCode.NO_REPLICA,
                     message=f"no replica answered after {attempt} dispatches")))
             return
-        target = self._route(p.dispatch.type_index)
+        # a hand-back comes from a replica that stalled: another one takes it when any accepts
+        target = self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else None)
         if target is None:
             p.replica_id = None  # retried when a replica becomes eligible, and on liveness ticks
+            p.free_retry = free and not first
             self._maybe_unrouted = True
             await self._own(p)  # held now, not where it was
             return
         p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt)
-        p.replica_id, p.wait_until_wall_s = target, None
+        p.replica_id, p.wait_until_wall_s, p.free_retry = target, None, False
         if not first:
             self.num_redispatched += 1
             if self.metrics is not None:
