@@ -14,11 +14,13 @@ live scheduler worker): each span it is told what every replica did (a `SpanReco
   saturated through the span (requests waited: it could not take what it was sent) or finished its
   requests at more than `tpot_factor` times the time per output token the model expects at that load
   (`CapacityTable.tbt_at`), or when the requests waiting in its engines grew by more than `backlog_frac`
-  of the span's arrivals while no replica was given more than `planned_utilisation` by those arrivals.
-  The real arrivals per class (`SpanRecord.arrivals_by_class`) are routed as the plan's weights route
-  them: a mix that moved away from the forecast loads the replicas it was not planned for, and queues
-  there are the forecast's miss, which the next plan answers, not evidence against the model (a guard
-  that fired on them moved OServe to the static shape for the rest of a shifting run).
+  of the span's arrivals. The real arrivals per class (`SpanRecord.arrivals_by_class`) are split over
+  the replicas as the plan's weights split them. A span in which some class came beyond its plan
+  (`oserve.routing.beyond_plan` over the whole span) is not judged at all: the router sent that class's
+  surplus to any replica, so no replica's load is known, and the queues are the forecast's miss, which
+  the next plan answers, not evidence against the model (a guard that fired on them moved OServe to the
+  static shape for the rest of a shifting run). A class that came beyond its plan only for part of the
+  span and not over the whole of it is not seen here: the span is judged.
 - **Measured deployments.** Every deployment that ran is remembered: its spans, the highest demand it
   served without underserving, the most it finished per second when it underserved, and, for the runs
   measured before the window (`seed`: the static candidates on the history, as an operator measures
@@ -55,6 +57,7 @@ from oserve.planner.context import PlanningContext
 from oserve.planner.learned import CapacityLearner, Correction, LearnerConfig, ReplicaWindow
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.twin import ArrivalPattern
+from oserve.routing import beyond_plan
 from oserve.specs import Deployment, ReplicaShape
 
 
@@ -253,7 +256,7 @@ class SelfCorrectingPlanner:
         given = self._given_utilisation(deployment, weights, span)
         if given is not None:
             planned = given if planned is None else [max(a, b) for a, b in zip(planned, given)]
-        overrun = given is not None and max(given, default=0.0) > cfg.planned_utilisation
+        overrun = self._beyond_plan(weights, span)
         sat_frac = self.learner.config.saturated_frac
         learned = sum(self.learner.observe(w) for w in span.windows)
         saturated = [w for w in span.windows if w.saturated_s >= sat_frac * w.seconds]
@@ -261,7 +264,7 @@ class SelfCorrectingPlanner:
         early = 0
         for w in span.windows:
             ks = [i for i, s in enumerate(shapes) if s == w.shape]
-            if not ks:
+            if not ks or overrun:  # the router spread the surplus anywhere: no replica's load is known
                 continue
             loaded = planned is not None and all(planned[k] > cfg.planned_utilisation for k in ks)
             if w in saturated and not loaded:
@@ -311,6 +314,15 @@ class SelfCorrectingPlanner:
                     use += row[k] / rows[k][j]
             out.append(use)
         return out
+
+    @staticmethod
+    def _beyond_plan(weights, span: SpanRecord) -> bool:
+        """Whether some class's arrivals in the span came beyond its plan (`oserve.routing.beyond_plan` at the
+        span's end: the router sent its surplus to any replica); False without a plan or the arrivals per class."""
+        if weights is None or not span.arrivals_by_class:
+            return False
+        return any(beyond_plan(count, float(sum(weights[j])) if j < len(weights) else 0.0, span.span_s)
+                   for j, count in enumerate(span.arrivals_by_class))
 
     def _given_utilisation(self, deployment: Deployment, weights, span: SpanRecord) -> list[float] | None:
         """Each replica's share of its (learned) capacity that the span's real arrivals gave it, each class's
