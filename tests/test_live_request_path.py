@@ -945,3 +945,36 @@ def test_a_gateway_counts_its_arrivals_against_its_share_of_the_plan() -> None:
     assert not whole._beyond_plan(0) and half._beyond_plan(0)  # 100 > 1.5 * 5 * 10 + 10 = 85; not > 160
     with pytest.raises(ConfigError):
         GatewayConfig(plan_share=0.0)
+
+
+async def test_a_hand_back_held_for_want_of_a_replica_is_still_no_failed_attempt(server) -> None:
+    """A replica hands a request back while the gateway sees no replica accepting: the request is held, and
+    when a replica accepts again it is dispatched as a hand-back still (`_Pending.free_retry`), not as a
+    failed attempt."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            # heartbeats 1 s apart: none comes between marking r0 draining and its fence's own heartbeat
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=5.0,
+                                                                   engine_kwargs={"heartbeat_interval_wall_s": 1.0})
+            a = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="held",
+                                                  timeout_s=20))
+            await wait_until(lambda: engines[0]._inflight, 5, "r0 to hold the request")
+            held = []
+            route = gw._route
+
+            def watched(type_index, avoid=None):
+                target = route(type_index, avoid)
+                held.append(target)
+                return target
+            gw._route = watched
+            gw._replicas["r0"].accepting = False  # as a draining heartbeat leaves it: no replica accepts
+            gw._refresh_eligible()
+            await engines[0]._fence()  # hands the request back, then announces itself accepting again
+            await wait_until(lambda: held and held[-1] == "r0", 5, "the request to be dispatched again")
+            assert held[0] is None  # held first, then dispatched when r0 accepted again
+            assert gw.pending["held"].dispatch.attempt == 0 and not gw.pending["held"].free_retry
+            ra = await a
+            assert gw.num_requeued == 1 and gw.num_failed == 0 and ra.output_tokens == 200
+
+    await asyncio.wait_for(main(), 30)
