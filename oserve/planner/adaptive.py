@@ -14,13 +14,14 @@ live scheduler worker): each span it is told what every replica did (a `SpanReco
   saturated through the span (requests waited: it could not take what it was sent) or finished its
   requests at more than `tpot_factor` times the time per output token the model expects at that load
   (`CapacityTable.tbt_at`), or when the requests waiting in its engines grew by more than `backlog_frac`
-  of the span's arrivals. The real arrivals per class (`SpanRecord.arrivals_by_class`) are split over
-  the replicas as the plan's weights split them. A span in which some class came beyond its plan
-  (`oserve.routing.beyond_plan` over the whole span) is not judged at all: the router sent that class's
-  surplus to any replica, so no replica's load is known, and the queues are the forecast's miss, which
-  the next plan answers, not evidence against the model (a guard that fired on them moved OServe to the
-  static shape for the rest of a shifting run). A class that came beyond its plan only for part of the
-  span and not over the whole of it is not seen here: the span is judged.
+  of the span's arrivals. A replica's load is the larger of what the plan gave it and what the span's
+  real arrivals per class (`SpanRecord.arrivals_by_class`) gave it, routed as the router routes them: a
+  class's arrivals up to where it came beyond its plan (`oserve.routing.beyond_plan` over the span) as
+  the plan's weights split them, the surplus over every replica in proportion to its capacity. Queues
+  that grew in a span in which some class came beyond its plan are not held against the model: a mix that
+  moved away from its forecast is the forecast's miss, which the next plan answers (a guard that fired on
+  them moved OServe to the static shape for the rest of a shifting run). A class that came beyond its
+  plan only for part of the span and not over the whole of it is not seen here.
 - **Measured deployments.** Every deployment that ran is remembered: its spans, the highest demand it
   served without underserving, the most it finished per second when it underserved, and, for the runs
   measured before the window (`seed`: the static candidates on the history, as an operator measures
@@ -57,7 +58,7 @@ from oserve.planner.context import PlanningContext
 from oserve.planner.learned import CapacityLearner, Correction, LearnerConfig, ReplicaWindow
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.twin import ArrivalPattern
-from oserve.routing import beyond_plan
+from oserve.routing import SURPLUS_FACTOR, SURPLUS_SLACK, beyond_plan
 from oserve.specs import Deployment, ReplicaShape
 
 
@@ -252,10 +253,11 @@ class SelfCorrectingPlanner:
 
     def _record(self, deployment: Deployment, weights, span: SpanRecord) -> SpanOutcome:
         cfg = self.guard
-        planned = self._planned_utilisation(deployment, weights) if weights is not None else None
-        given = self._given_utilisation(deployment, weights, span)
-        if given is not None:
-            planned = given if planned is None else [max(a, b) for a, b in zip(planned, given)]
+        given = self._given_rates(deployment, weights, span)
+        rates = given if weights is None else self._planned_rates(deployment, weights)
+        if given is not None and weights is not None:
+            rates = np.maximum(rates, given)  # judged at the larger of what was planned and what came
+        util = self._utilisation(deployment, rates) if rates is not None else None
         overrun = self._beyond_plan(weights, span)
         sat_frac = self.learner.config.saturated_frac
         learned = sum(self.learner.observe(w) for w in span.windows)
@@ -264,14 +266,15 @@ class SelfCorrectingPlanner:
         early = 0
         for w in span.windows:
             ks = [i for i, s in enumerate(shapes) if s == w.shape]
-            if not ks or overrun:  # the router spread the surplus anywhere: no replica's load is known
+            if not ks:
                 continue
-            loaded = planned is not None and all(planned[k] > cfg.planned_utilisation for k in ks)
+            loaded = util is not None and all(util[k] > cfg.planned_utilisation for k in ks)
             if w in saturated and not loaded:
                 early += 1
-            elif not loaded and w.tpot_s > cfg.tpot_factor * self._expected_tbt(deployment, weights, ks[0], span):
+            elif not loaded and w.tpot_s > cfg.tpot_factor * self._expected_tbt(deployment, rates, ks[0], span):
                 early += 1
         growth = span.waiting_growth
+        # queues that grew while a class came beyond its plan are the forecast's miss, not the model's
         underserved = early > 0 or (not overrun and growth > cfg.backlog_frac * max(span.arrivals, 1.0))
         record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
         record.spans += 1
@@ -282,36 +285,46 @@ class SelfCorrectingPlanner:
             record.best_clean_demand_rps = max(record.best_clean_demand_rps, span.arrivals / span.span_s)
         return SpanOutcome(underserved, len(saturated), growth, learned)
 
-    def _expected_tbt(self, deployment: Deployment, weights, k: int, span: SpanRecord) -> float:
+    def _expected_tbt(self, deployment: Deployment, rates, k: int, span: SpanRecord) -> float:
         """The time per output token the (learned) model expects of replica `k` at the load it was given:
-        its planned rates per class (`weights`), or, without a plan, its share of the span's arrivals
-        spread over the classes as the deployment's mean mix; at least the target's TBT / 4 (the model's
-        decode floor is not a promise)."""
+        its rates per class (`rates[k]`, replicas x classes), or, without them, its share of the span's
+        arrivals spread over the classes as the deployment's mean mix; at least the target's TBT / 4 (the
+        model's decode floor is not a promise)."""
         table = self.ctx.table
         shape = deployment.replicas[k].shape
         k_classes = len(self.mix)
-        if weights is not None:
-            rates = np.array([weights[j][k] if j < len(weights) and k < len(weights[j]) else 0.0
-                              for j in range(k_classes)])
+        if rates is not None:
+            r = np.zeros(k_classes)
+            r[:min(k_classes, rates.shape[1])] = rates[k][:k_classes]
         else:
-            rates = self.mix * span.arrivals / span.span_s / max(len(deployment.replicas), 1)
-        total = float(rates.sum())
+            r = self.mix * span.arrivals / span.span_s / max(len(deployment.replicas), 1)
+        total = float(r.sum())
         if total <= 0:
             return table.target.tbt_s
         n = np.array([table.rate(shape, j) for j in range(k_classes)])
-        util = float(np.sum(rates / n))
-        tbt = sum(rates[j] / total * table.tbt_at(shape, j, util * n[j]) for j in range(k_classes) if rates[j] > 0)
+        util = float(np.sum(r / n))
+        tbt = sum(r[j] / total * table.tbt_at(shape, j, util * n[j]) for j in range(k_classes) if r[j] > 0)
         return max(float(tbt), table.target.tbt_s / 4.0)
 
-    def _planned_utilisation(self, deployment: Deployment, weights) -> list[float]:
-        """Each replica's share of its (learned) capacity the decision's weights give it."""
+    def _planned_rates(self, deployment: Deployment, weights) -> np.ndarray:
+        """The decision's rates per replica and class (replicas x classes), from its weights."""
+        m, k_classes = len(deployment.replicas), max(len(self.mix), len(weights))
+        out = np.zeros((m, k_classes))
+        for j, row in enumerate(weights):
+            for k in range(min(m, len(row))):
+                out[k, j] = max(float(row[k]), 0.0)
+        return out
+
+    def _utilisation(self, deployment: Deployment, rates: np.ndarray) -> list[float]:
+        """Each replica's share of its (learned) capacity that `rates` (replicas x classes) give it."""
         rows = self.ctx.table.matrix(deployment.shapes())
         out = []
         for k in range(len(deployment.replicas)):
             use = 0.0
-            for j, row in enumerate(weights):
-                if k < len(row) and rows[k][j] > 0:
-                    use += row[k] / rows[k][j]
+            for j in range(rates.shape[1]):
+                n = rows[k][j] if j < len(rows[k]) else 0.0
+                if rates[k, j] > 0:
+                    use += rates[k, j] / n if n > 0 else math.inf
             out.append(use)
         return out
 
@@ -324,27 +337,33 @@ class SelfCorrectingPlanner:
         return any(beyond_plan(count, float(sum(weights[j])) if j < len(weights) else 0.0, span.span_s)
                    for j, count in enumerate(span.arrivals_by_class))
 
-    def _given_utilisation(self, deployment: Deployment, weights, span: SpanRecord) -> list[float] | None:
-        """Each replica's share of its (learned) capacity that the span's real arrivals gave it, each class's
-        arrivals split over its replicas in proportion to the plan's weights (over every replica for a class
-        the plan gave none, as the router sends it anywhere); None without the arrivals per class."""
+    def _given_rates(self, deployment: Deployment, weights, span: SpanRecord) -> np.ndarray | None:
+        """The rates per replica and class (replicas x classes) the span's real arrivals gave, routed as the
+        router routes them: each class's arrivals up to where it comes beyond its plan
+        (`oserve.routing.beyond_plan` over the span) split over its replicas as the plan's weights split it,
+        and the rest (all of it for a class the plan gave none, or without a plan) spread over every replica
+        in proportion to its capacity for the class, as routing to the least loaded evens their loads out;
+        None without the arrivals per class."""
         if not span.arrivals_by_class or not deployment.replicas:
             return None
         rows = self.ctx.table.matrix(deployment.shapes())
-        m = len(deployment.replicas)
-        out = [0.0] * m
+        m, k_classes = len(deployment.replicas), max(len(self.mix), len(span.arrivals_by_class))
+        out = np.zeros((m, k_classes))
         for j, count in enumerate(span.arrivals_by_class):
             if count <= 0:
                 continue
             row = [max(float(weights[j][k]), 0.0) if weights is not None and j < len(weights) and k < len(weights[j])
                    else 0.0 for k in range(m)]
-            total = sum(row)
-            shares = [w / total for w in row] if total > 0 else [1.0 / m] * m
-            rate = count / span.span_s
+            planned = sum(row)
+            within = min(float(count), SURPLUS_FACTOR * planned * span.span_s + SURPLUS_SLACK) if planned > 0 else 0.0
             for k in range(m):
-                if shares[k] > 0:
-                    n = rows[k][j] if j < len(rows[k]) else 0.0
-                    out[k] += rate * shares[k] / n if n > 0 else math.inf
+                if row[k] > 0:
+                    out[k, j] += within * row[k] / planned / span.span_s
+            caps = [rows[k][j] if j < len(rows[k]) else 0.0 for k in range(m)]
+            cap = sum(caps)
+            rest = (float(count) - within) / span.span_s
+            for k in range(m):
+                out[k, j] += rest * (caps[k] / cap if cap > 0 else 1.0 / m)
         return out
 
     def thin_evidence(self, deployment: Deployment) -> bool:
