@@ -279,5 +279,54 @@ def test_queues_from_a_mix_the_forecast_missed_are_not_held_against_the_model(in
     assert planner.observe(span(0.3 * n0), decision).underserved  # as planned, yet queues grew: the model
     assert not planner.observe(span(3.0 * n0), decision).underserved  # 3x its capacity came: the forecast
     assert planner.observe(span(0.4 * n0), decision).underserved  # 1.33x its plan: within the router's plan
+    # a replica far slower than the model expects is judged even when a class overran its plan, at the load
+    # the router gave it; one the surplus filled past 90% of its capacity is excused
+    slow = ReplicaWindow(TP1, (0.0,) * k, SPAN_S, 0.0, tpot_s=1.0)
+
+    def with_slow(class0_rps: float) -> SpanRecord:
+        return SpanRecord((slow,), class0_rps * SPAN_S, 0.0, SPAN_S, waiting_growth=0.0,
+                          arrivals_by_class=tuple(class0_rps * SPAN_S if j == 0 else 0.0 for j in range(k)))
+    just_beyond = (1.5 * 0.3 * n0 * SPAN_S + 10 + 5) / SPAN_S
+    assert 1.5 * 0.3 * n0 * SPAN_S + 10 < just_beyond * SPAN_S
+    assert planner.observe(with_slow(just_beyond), decision).underserved
+    assert not planner.observe(with_slow(3.0 * n0), decision).underserved
     assert planner.observe(SpanRecord((), 3.0 * n0 * SPAN_S, 0.0, SPAN_S, waiting_growth=1.5 * n0 * SPAN_S),
                            decision).underserved  # without the arrivals per class, judged as before
+
+
+def test_the_guard_routes_a_spans_arrivals_as_the_router_does(inputs) -> None:
+    """`SelfCorrectingPlanner._given_rates`: every class's arrivals are all given to some replica; a class
+    within its plan goes exactly as the plan's weights split it; a class beyond it (or with no plan) sends
+    its surplus to every replica in proportion to the replica's capacity for it. Hypothesis over counts
+    and plans on a two-replica deployment."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.routing import SURPLUS_FACTOR, SURPLUS_SLACK
+
+    planner = fresh_planner(inputs)
+    two = homogeneous_deployment(planner.ctx.cluster, TP1)
+    k = len(planner.class_names)
+    rows = planner.ctx.table.matrix(two.shapes())
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.floats(0, 500), min_size=k, max_size=k),
+           st.lists(st.tuples(st.sampled_from([0.0, 0.5, 3.0]), st.sampled_from([0.0, 1.0, 20.0])),
+                    min_size=k, max_size=k))
+    def check(counts, weights) -> None:
+        span = SpanRecord((), sum(counts), 0.0, SPAN_S, arrivals_by_class=tuple(counts))
+        given_rates = planner._given_rates(two, tuple(weights), span)
+        assert given_rates.shape[0] == 2 and (given_rates >= 0).all()
+        for j, (count, row) in enumerate(zip(counts, weights)):
+            assert given_rates[:, j].sum() == pytest.approx(count / SPAN_S, rel=1e-9, abs=1e-12)
+            planned = sum(row)
+            if planned > 0 and count <= SURPLUS_FACTOR * planned * SPAN_S + SURPLUS_SLACK:
+                for r in range(2):
+                    assert given_rates[r, j] == pytest.approx(count / SPAN_S * row[r] / planned, abs=1e-12)
+            elif planned == 0:
+                caps = [rows[r][j] for r in range(2)]
+                for r in range(2):
+                    assert given_rates[r, j] == pytest.approx(count / SPAN_S * caps[r] / sum(caps), abs=1e-12)
+
+    check()
