@@ -255,8 +255,10 @@ class SelfCorrectingPlanner:
         cfg = self.guard
         given = self._given_rates(deployment, weights, span)
         rates = given if weights is None else self._planned_rates(deployment, weights)
-        if given is not None and weights is not None:
-            rates = np.maximum(rates, given)  # judged at the larger of what was planned and what came
+        if given is not None and weights is not None:  # judged at the larger of what was planned and what came
+            width = max(rates.shape[1], given.shape[1])
+            rates = np.maximum(np.pad(rates, ((0, 0), (0, width - rates.shape[1]))),
+                               np.pad(given, ((0, 0), (0, width - given.shape[1]))))
         util = self._utilisation(deployment, rates) if rates is not None else None
         overrun = self._beyond_plan(weights, span)
         sat_frac = self.learner.config.saturated_frac
