@@ -87,13 +87,19 @@ SURPLUS_SLACK = 10.0
 """... plus this many requests (a Poisson count's noise at the start of a span is not a surplus)."""
 
 
+def plan_allowance(planned_rps: float, elapsed_s: float) -> float:
+    """The arrivals a class may reach `elapsed_s` into a span before it is beyond its plan: `SURPLUS_FACTOR`
+    times what the plan forecast for it (`planned_rps`) in that time, plus `SURPLUS_SLACK`. Pure."""
+    return SURPLUS_FACTOR * max(planned_rps, 0.0) * max(elapsed_s, 0.0) + SURPLUS_SLACK
+
+
 def beyond_plan(arrived: float, planned_rps: float, elapsed_s: float) -> bool:
     """Whether a class's `arrived` requests in a span, `elapsed_s` into it, exceed what the plan forecast
     for it (`planned_rps`) by `SURPLUS_FACTOR` and `SURPLUS_SLACK`. The router then sends that class's
     requests to the least loaded replica of any class: the plan gave it replicas sized for its forecast,
     and a mix that moved away from the forecast queues there while replicas planned for the classes that
     fell idle (the next plan answers it; this bounds the span until then). Pure."""
-    return arrived > SURPLUS_FACTOR * max(planned_rps, 0.0) * max(elapsed_s, 0.0) + SURPLUS_SLACK
+    return arrived > plan_allowance(planned_rps, elapsed_s)
 
 
 def round_robin(loads: Sequence[ReplicaLoad], counter: int) -> int | None:

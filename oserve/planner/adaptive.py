@@ -58,7 +58,7 @@ from oserve.planner.context import PlanningContext
 from oserve.planner.learned import CapacityLearner, Correction, LearnerConfig, ReplicaWindow
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.twin import ArrivalPattern
-from oserve.routing import SURPLUS_FACTOR, SURPLUS_SLACK, beyond_plan
+from oserve.routing import beyond_plan, plan_allowance
 from oserve.specs import Deployment, ReplicaShape
 
 
@@ -357,7 +357,7 @@ class SelfCorrectingPlanner:
             row = [max(float(weights[j][k]), 0.0) if weights is not None and j < len(weights) and k < len(weights[j])
                    else 0.0 for k in range(m)]
             planned = sum(row)
-            within = min(float(count), SURPLUS_FACTOR * planned * span.span_s + SURPLUS_SLACK) if planned > 0 else 0.0
+            within = min(float(count), plan_allowance(planned, span.span_s)) if planned > 0 else 0.0
             for k in range(m):
                 if row[k] > 0:
                     out[k, j] += within * row[k] / planned / span.span_s
