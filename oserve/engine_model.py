@@ -211,7 +211,8 @@ class SimReplica:
         pp = self._pp
         micro = Batch(max(1, round(batch.num_tokens / pp)), batch.prefill_pairs / pp,
                       round(batch.prefill_cached_tokens / pp), round(batch.num_decode_seqs / pp),
-                      round(batch.decode_context_tokens / pp), max(1, round(batch.num_logit_rows / pp)))
+                      round(batch.decode_context_tokens / pp), max(1, round(batch.num_logit_rows / pp)),
+                      -(-batch.num_prefill_seqs // pp))
         return self.timer.pipelined_step_seconds(micro)
 
     # --- the kernel's interface ----------------------------------------------------------------
@@ -510,7 +511,7 @@ class SimReplica:
             if r.prefilled + t >= r.prompt_tokens:
                 rows += 1
         dec_ctx = self._dec_sum_offset + n_dec * self.step_index
-        batch = Batch(tokens + n_dec, float(pairs), cached, n_dec, dec_ctx, rows + n_dec)
+        batch = Batch(tokens + n_dec, float(pairs), cached, n_dec, dec_ctx, rows + n_dec, len(chunks))
         a = self.step_seconds(batch)
         k, b = 1, 0.0
         if not chunks and n_dec and (not self.waiting or n_dec >= self._max_seqs or self._head_blocked()):

@@ -132,6 +132,9 @@ class Batch:
     """Sum of the decode sequences' context lengths (tokens read from the KV cache)."""
     num_logit_rows: int = 0
     """Rows the LM head computes: decode sequences plus prefills that finish this iteration."""
+    num_prefill_seqs: int = 0
+    """Prompts with a chunk in this iteration (0 from callers that do not count them: one when any prompt
+    token is computed)."""
 
     @classmethod
     def of(cls, prefill_chunks: list[tuple[int, int]] | tuple = (), decode_contexts: list[int] | tuple = (),
@@ -144,14 +147,15 @@ class Batch:
         n_pf = len(prefill_chunks) if finishing_prefills is None else finishing_prefills
         return cls(num_tokens=sum(c for c, _ in prefill_chunks) + len(decode_contexts), prefill_pairs=pairs,
                    prefill_cached_tokens=sum(p for _, p in prefill_chunks), num_decode_seqs=len(decode_contexts),
-                   decode_context_tokens=sum(decode_contexts), num_logit_rows=n_pf + len(decode_contexts))
+                   decode_context_tokens=sum(decode_contexts), num_logit_rows=n_pf + len(decode_contexts),
+                   num_prefill_seqs=len(prefill_chunks))
 
     def __add__(self, other: Batch) -> Batch:
         return Batch(self.num_tokens + other.num_tokens, self.prefill_pairs + other.prefill_pairs,
                      self.prefill_cached_tokens + other.prefill_cached_tokens,
                      self.num_decode_seqs + other.num_decode_seqs,
                      self.decode_context_tokens + other.decode_context_tokens,
-                     self.num_logit_rows + other.num_logit_rows)
+                     self.num_logit_rows + other.num_logit_rows, self.num_prefill_seqs + other.num_prefill_seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +173,11 @@ class PerfModel:
     vocabulary, handing its output over), counted with the LM head. 0 in the H100 model (where it is inside
     `iteration_overhead_s`); fitted for a CPU engine by `oserve.fidelity` (55-130 µs a sequence there: a third or
     more of a 64-sequence decode step)."""
+    prefill_overhead_s: float = 0.0
+    """Engine time per prompt that has a chunk in an iteration, beside `iteration_overhead_s`: the prefill path's
+    own cost per prompt (on the CPU engine, attention runs prompt by prompt; on CUDA, a step with prompts runs
+    outside the decode CUDA graphs). 0 in the H100 model (its profiles time operators, not iterations); fitted
+    for a CPU engine by `oserve.fidelity`."""
     attention: AttentionModel = field(default_factory=AttentionModel)
     coefficients: dict | None = field(default=None, hash=False, compare=False)
     """Fitted coefficients; None uses the shipped ones."""
@@ -226,6 +235,7 @@ class ShapeTimer:
         spans_nodes = shape.num_gpus > perf.gpus_per_node
         self._send_recv = collectives["send_recv_inter" if spans_nodes else "send_recv_intra"]
         self.iteration_overhead_s = perf.iteration_overhead_s
+        self._prefill_s = getattr(perf, "prefill_overhead_s", 0.0)
         self._row_s = perf.sequence_overhead_s
         self._linear_cache: dict[int, float] = {}
         self._token_cache: dict[int, tuple[float, float]] = {}
@@ -307,7 +317,13 @@ class ShapeTimer:
         per_layer, send_recv = self._token_costs(m)
         per_layer += self.attention_seconds(batch)
         return (self._num_layers * per_layer + 2.0 * self._embed_b * m + self._lm_head(batch.num_logit_rows)
-                + (self.shape.pp - 1) * send_recv + self.iteration_overhead_s)
+                + (self.shape.pp - 1) * send_recv + self.iteration_overhead_s + self._step_overhead(batch))
+
+    def _step_overhead(self, batch: Batch) -> float:
+        """The prefill path's cost: per prompt with a chunk in the batch (one when the batch does not count them)."""
+        if not self._prefill_s or batch.num_tokens <= batch.num_decode_seqs:
+            return 0.0
+        return self._prefill_s * max(batch.num_prefill_seqs, 1)
 
     def pipelined_step_seconds(self, micro: Batch) -> float:
         """With `pp` micro-batches like `micro` in flight, the time between two steps of one sequence:
@@ -322,15 +338,15 @@ class ShapeTimer:
         attn = self.attention_seconds(micro)
         lm_head = self._lm_head(micro.num_logit_rows)
         embed = self._embed_b * m
-        latency = (self._num_layers * (token + attn) + 2.0 * embed + lm_head + (pp - 1) * send_recv
-                   + self.iteration_overhead_s)
+        step = self.iteration_overhead_s + self._step_overhead(micro)
+        latency = self._num_layers * (token + attn) + 2.0 * embed + lm_head + (pp - 1) * send_recv + step
         per_layer = token + attn  # as stage_seconds computes it
         layers = self.layers
         first, last = layers[0] * per_layer + embed, layers[-1] * per_layer + lm_head + embed
         stage = max(first, last) if len(layers) > 1 else layers[0] * per_layer + embed + lm_head + embed
         for n in layers[1:-1]:
             stage = max(stage, n * per_layer)
-        bottleneck = stage + send_recv + self.iteration_overhead_s / pp
+        bottleneck = stage + send_recv + step / pp
         return max(latency, pp * bottleneck)
 
     def bottleneck_seconds(self, batch: Batch) -> float:
@@ -341,14 +357,15 @@ class ShapeTimer:
         if batch.num_tokens == 0:
             return 0.0
         return max(self.stage_seconds(batch)) + self._token_costs(batch.num_tokens)[1] + \
-            self.iteration_overhead_s / self.shape.pp
+            (self.iteration_overhead_s + self._step_overhead(batch)) / self.shape.pp
 
     def bottleneck_seconds_many(self, num_tokens: np.ndarray, prefill_pairs: np.ndarray,
                                 kv_tokens: np.ndarray, logit_rows: np.ndarray) -> np.ndarray:
         """`bottleneck_seconds` for many batches at once, given as arrays of their sums. Pure.
 
         `kv_tokens` is the KV traffic of a batch: decode contexts plus cached prefill tokens plus the
-        batch's own tokens (written). Matches the scalar path to rounding.
+        batch's own tokens (written); a batch with prefill pairs has one prompt (`PerfModel.prefill_overhead_s`
+        counted once). Matches the scalar path to rounding.
         """
         m = np.asarray(num_tokens, dtype=float)
         linear = self._elem_a + self._elem_b * m
@@ -368,7 +385,8 @@ class ShapeTimer:
         out = np.max(np.stack(stages), axis=0)
         if self.shape.pp > 1:
             out = out + collective_seconds(self._send_recv, m * self._act_bytes_per_token)
-        return np.where(m > 0, out + self.iteration_overhead_s / self.shape.pp, 0.0)
+        step = self.iteration_overhead_s + np.where(np.asarray(prefill_pairs) > 0, self._prefill_s, 0.0)
+        return np.where(m > 0, out + step / self.shape.pp, 0.0)
 
 
 def _all_reduce_curve(collectives: dict, tp: int) -> dict[str, list[float]]:
@@ -454,6 +472,7 @@ class ScaledPerf:
     gpus_per_node = property(lambda self: self.base.gpus_per_node)
     iteration_overhead_s = property(lambda self: self.base.iteration_overhead_s)
     sequence_overhead_s = property(lambda self: getattr(self.base, "sequence_overhead_s", 0.0))
+    prefill_overhead_s = property(lambda self: getattr(self.base, "prefill_overhead_s", 0.0))
 
     def scale_of(self, shape: ReplicaShape) -> tuple[float, float]:
         return self.scales.get(shape, self.default)
