@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oserve.fidelity import (DECODE, FIT_PARAMETERS, PREFILL, FitConfig, ProfilePoint, ReplayRecord, calibrate,
+from oserve.fidelity import (DECODE, FIT_PARAMETERS, PREFILL, FitConfig, ProfilePoint, ReplayRecord, against_repeat,
+                             calibrate,
                              calibration_loss, compare, engine_config, engine_memory, fit_engine, host_spec, perf_model,
                              predict, with_sequence_factor)
 from oserve.errors import ConfigError
@@ -24,7 +25,7 @@ TINY = ModelSpec("tiny", num_layers=4, hidden_size=256, num_heads=8, num_kv_head
 HOST = host_spec("cpu", 1.0e12, 4.0e10, 8 << 30)
 PREFILLS = [(1, 16), (1, 128), (1, 512), (1, 1024), (1, 2000), (2, 512), (4, 256), (8, 128), (16, 64), (32, 32)]
 DECODES = [(b, c) for b in (1, 4, 16, 64) for c in (44.0, 524.0, 1036.0)]
-TRUE = {"iteration_overhead_s": 5e-4, "sequence_overhead_s": 4e-5, "eff_flops": 0.3, "eff_bw": 0.9,
+TRUE = {"iteration_overhead_s": 5e-4, "prefill_overhead_s": 2e-3, "sequence_overhead_s": 4e-5, "eff_flops": 0.3, "eff_bw": 0.9,
         "prefill_flops_frac": 0.4, "decode_bw_frac": 0.35, "elementwise_scale": 15.0}
 
 
@@ -37,7 +38,8 @@ def profile_from(params: dict[str, float], noise: np.ndarray | None = None) -> l
 
 
 params_strategy = st.fixed_dictionaries({
-    "iteration_overhead_s": st.floats(1e-4, 5e-3), "sequence_overhead_s": st.floats(1e-6, 1e-4),
+    "iteration_overhead_s": st.floats(1e-4, 5e-3), "prefill_overhead_s": st.floats(1e-5, 5e-3),
+    "sequence_overhead_s": st.floats(1e-6, 1e-4),
     "eff_flops": st.floats(0.05, 1.0), "eff_bw": st.floats(0.3, 1.5), "prefill_flops_frac": st.floats(0.05, 1.0),
     "decode_bw_frac": st.floats(0.05, 1.5), "elementwise_scale": st.floats(1.0, 50.0)})
 
@@ -90,18 +92,20 @@ def test_a_profile_point_is_the_batch_it_measured() -> None:
     assert ProfilePoint(DECODE, 8, 100, 0.01).as_batch() == Batch.of(decode_contexts=[100] * 8)
 
 
-@given(st.floats(0.0, 1e-3), st.integers(1, 64), st.integers(0, 2048), st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2)]),
-       st.integers(0, 512))
-def test_the_sequence_term_is_on_every_timing_path(per_row, rows, ctx, tp_pp, prefill) -> None:
-    """`PerfModel.sequence_overhead_s` adds per_row x logit rows to an iteration's latency; the array path agrees
-    with the scalar one, and a pipeline's step is still max(latency, pp x bottleneck), with the term in both."""
+@given(st.floats(0.0, 1e-3), st.floats(0.0, 1e-2), st.integers(1, 64), st.integers(0, 2048),
+       st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2)]), st.integers(0, 512))
+def test_the_sequence_and_prefill_terms_are_on_every_timing_path(per_row, per_prompt, rows, ctx, tp_pp, prefill) -> None:
+    """`PerfModel.sequence_overhead_s` adds per_row x logit rows to an iteration's latency and
+    `prefill_overhead_s` per_prompt x its prompts with a chunk; the array path agrees with the scalar one, and a
+    pipeline's step is still max(latency, pp x bottleneck), with the terms in both."""
     model = replace(TINY, num_layers=4)
     base = PerfModel(model, HOST)
-    more = replace(base, sequence_overhead_s=per_row)
+    more = replace(base, sequence_overhead_s=per_row, prefill_overhead_s=per_prompt)
     batch = Batch.of([(prefill, 0)] if prefill else [], [ctx] * rows)
     shape = ReplicaShape(*tp_pp)
     assert more.iteration_seconds(shape, batch) == pytest.approx(
-        base.iteration_seconds(shape, batch) + per_row * batch.num_logit_rows, rel=1e-12, abs=1e-15)
+        base.iteration_seconds(shape, batch) + per_row * batch.num_logit_rows + per_prompt * (prefill > 0),
+        rel=1e-12, abs=1e-15)
     timer = more.timer(shape)
     kv = batch.decode_context_tokens + batch.prefill_cached_tokens + batch.num_tokens
     many = timer.bottleneck_seconds_many(np.array([batch.num_tokens]), np.array([batch.prefill_pairs]),
@@ -111,9 +115,28 @@ def test_the_sequence_term_is_on_every_timing_path(per_row, rows, ctx, tp_pp, pr
         max(timer.iteration_seconds(batch), shape.pp * timer.bottleneck_seconds(batch)), rel=1e-9)
 
 
-def test_the_h100_model_has_no_sequence_term() -> None:
+@given(st.lists(st.integers(1, 1024), min_size=1, max_size=8), st.integers(0, 32), st.floats(1e-4, 1e-2))
+def test_the_prefill_term_counts_the_prompts_with_a_chunk(prompts, decodes, per_prompt) -> None:
+    """A batch pays `prefill_overhead_s` once per prompt with a chunk in it, nothing for decodes alone; a batch
+    built without counting its prompts (callers that sum `Batch` fields by hand) pays it once."""
+    base = PerfModel(TINY, HOST)
+    more = replace(base, prefill_overhead_s=per_prompt)
+    batch = Batch.of([(n, 0) for n in prompts], [100] * decodes)
+    assert batch.num_prefill_seqs == len(prompts)
+    one = ReplicaShape(1, 1)
+    assert more.iteration_seconds(one, batch) - base.iteration_seconds(one, batch) == pytest.approx(
+        per_prompt * len(prompts), rel=1e-9)
+    uncounted = replace(batch, num_prefill_seqs=0)
+    assert more.iteration_seconds(one, uncounted) - base.iteration_seconds(one, uncounted) == pytest.approx(
+        per_prompt, rel=1e-9)
+    if decodes:
+        alone = Batch.of(decode_contexts=[100] * decodes)
+        assert more.iteration_seconds(one, alone) == base.iteration_seconds(one, alone)
+
+
+def test_the_h100_model_has_no_sequence_or_prefill_term() -> None:
     perf = PerfModel(model_preset("llama2-7b"), gpu_preset("h100"))
-    assert perf.sequence_overhead_s == 0.0
+    assert perf.sequence_overhead_s == 0.0 and perf.prefill_overhead_s == 0.0
     # recorded with the performance model before the term existed (commit 9b500ef): the same to the last bit
     batch = Batch.of([(512, 0)], [1000] * 32)
     assert perf.iteration_seconds(ReplicaShape(2, 1), batch) == 0.016592313589258733
@@ -187,6 +210,37 @@ def test_replay_metrics_by_hand() -> None:
     real, sim = _record([0.1], [1.0], [10]), _record([0.1], [2.0], [10])
     c = compare(real, sim)
     assert c["metrics"]["e2e_p50_s"]["error"] == pytest.approx(1.0) and not c["within_targets"]
+
+
+@given(st.lists(st.tuples(st.floats(0.001, 1.0), st.floats(0.001, 5.0), st.integers(2, 200)), min_size=2, max_size=50),
+       st.floats(0.5, 2.0), st.floats(0.5, 2.0))
+def test_the_engines_repeatability_bounds_the_verdict(rows, sim_factor, repeat_factor) -> None:
+    """`against_repeat`: per metric the bound is the larger of the target and the repeat's own error; a simulator
+    within it is within noise, and a repeat that agrees exactly leaves the targets' verdict unchanged (the
+    reference: `compare`'s own `within`)."""
+    ttft, dec, n = (np.array(c, dtype=float) for c in zip(*rows))
+    real = _record(ttft, ttft + dec, n)
+    sim, again = (_record(ttft * f, (ttft + dec) * f, n) for f in (sim_factor, repeat_factor))
+    scored, repeat = compare(real, sim), compare(real, again)
+    judged = against_repeat(scored, repeat)
+    for key, m in judged["metrics"].items():
+        assert m["bound"] == pytest.approx(max(scored["metrics"][key]["target"], abs(repeat["metrics"][key]["error"])))
+        assert m["within"] == (abs(m["error"]) <= m["bound"])
+        if scored["metrics"][key]["within"]:
+            assert m["within"]  # the repeat only ever widens the bound
+    exact = against_repeat(scored, compare(real, real))
+    assert {k: v["within"] for k, v in exact["metrics"].items()} == \
+        {k: v["within"] for k, v in scored["metrics"].items()}
+    assert exact["within"] == scored["within_targets"]
+
+
+def test_the_stolen_share_of_cpu_time() -> None:
+    from oserve.workers.fidelity_bench import cpu_steal, steal_share
+
+    assert steal_share((10, 1000), (30, 1100)) == pytest.approx(0.2)
+    assert steal_share(None, (30, 1100)) is None and steal_share((10, 1000), (10, 1000)) is None
+    now = cpu_steal()  # Linux: a reading of the real file
+    assert now is None or 0 <= now[0] <= now[1]
 
 
 def test_the_simulated_replay_serves_a_trace_on_the_fitted_model() -> None:
@@ -292,6 +346,16 @@ async def _short_bench(tmp_path) -> dict:
         {"throughput_rps", "throughput_tokens_s"}
     assert all(math.isfinite(m["real"]) and math.isfinite(m["simulated"]) for m in rep["metrics"].values())
     assert rep["real"]["output_tokens"] == rep["simulated"]["output_tokens"]  # every answer as long as the trace's
+    # the same requests replayed once more on the engine: its own repeatability, beside the simulator's error
+    assert rep["real_repeat"]["output_tokens"] == rep["real"]["output_tokens"]
+    assert set(rep["repeat"]["metrics"]) == set(rep["noise"]["metrics"]) == set(rep["metrics"])
+    assert all(math.isfinite(m["error"]) for m in rep["repeat"]["metrics"].values())
+    assert result["within_repeatability"] == rep["noise"]["within"]
+    assert len(rep["cpu_steal"]) == 2 and all(x is None or 0.0 <= x <= 1.0 for x in rep["cpu_steal"])
+    moved = result["drift"]  # the profile's points measured again at the end: the engine's own drift
+    assert {(p["kind"], p["batch"], p["tokens"]) for p in moved["points"]} == {("prefill", 1, 1024), ("decode", 1, 512)}
+    assert all(p["ratio"] > 0 for p in moved["points"])
+    assert moved["median_ratio"] == pytest.approx(float(np.median([p["ratio"] for p in moved["points"]])))
     json.loads(summary_json(result))
     plot(result, tmp_path / "fidelity.png")
     assert (tmp_path / "fidelity.png").stat().st_size > 10_000

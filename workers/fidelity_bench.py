@@ -20,7 +20,10 @@ model folder is given):
    are fractions of the fitted model's capacity on that trace (the simulator's throughput when every request
    arrives at once), so the engine is tried light and busy on any host; nothing is tuned on the real replay.
 5. **Score** TTFT, time per output token and end-to-end latency at P50 and P99, and throughput
-   (`oserve.fidelity.compare`).
+   (`oserve.fidelity.compare`), and beside it the real engine's own repeatability: every load is replayed once,
+   then every load again, and each second replay is scored against the first the same way
+   (`oserve.fidelity.against_repeat`). Two more readings say how steady the host was: a few profile points measured
+   again at the end (`drift`), and the share of CPU time the hypervisor stole during each replay (`cpu_steal`).
 
 vLLM's engine core is a spawned process: the program that runs this needs the `if __name__ == "__main__":`
 guard (the `oserve` command has it).
@@ -40,7 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from oserve.errors import ConfigError
-from oserve.fidelity import (DECODE, PREFILL, FitConfig, ProfilePoint, ReplayRecord, calibrate, capacity_rps, compare,
+from oserve.fidelity import (DECODE, PREFILL, FitConfig, ProfilePoint, ReplayRecord, against_repeat, calibrate,
+                             capacity_rps, compare,
                              engine_config, engine_memory, fit_engine, host_spec, perf_model, replay_simulated,
                              with_sequence_factor)
 from oserve.specs import ReplicaShape
@@ -92,6 +96,10 @@ class FidelityConfig:
     """(prompts, tokens each) sent at once; those over the engine's token budget are skipped."""
     repeats: int = 3
     """Runs per profile point; the median is kept."""
+    real_repeats: int = 2
+    """Replays of each scored load on the real engine, back to back: the first is what the simulator is scored
+    against; the second measures the engine's own repeatability on the same requests (`oserve.fidelity.against_repeat`);
+    1: no repeat."""
     seed: int = 0
     """Seed of the prompts' random token ids."""
 
@@ -101,9 +109,9 @@ class FidelityConfig:
         if self.calibration_load and not self.history_minutes > 0:
             raise ConfigError("FidelityConfig: a calibration needs the window before history_minutes (> 0), got "
                               f"{self.history_minutes}")
-        if not self.replay_s > 0 or self.repeats < 1 or self.decode_steps < 4:
-            raise ConfigError(f"FidelityConfig: replay_s must be > 0, repeats >= 1 and decode_steps >= 4, got "
-                              f"{self.replay_s}, {self.repeats} and {self.decode_steps}")
+        if not self.replay_s > 0 or self.repeats < 1 or self.decode_steps < 4 or self.real_repeats < 1:
+            raise ConfigError(f"FidelityConfig: replay_s must be > 0, repeats and real_repeats >= 1 and decode_steps "
+                              f">= 4, got {self.replay_s}, {self.repeats}, {self.real_repeats} and {self.decode_steps}")
         if self.max_input_tokens + self.max_output_tokens > self.max_model_len:
             raise ConfigError(f"FidelityConfig: max_input_tokens + max_output_tokens ({self.max_input_tokens} + "
                               f"{self.max_output_tokens}) exceed max_model_len {self.max_model_len}")
@@ -196,33 +204,86 @@ async def profile(eng: _Engine, cfg: FidelityConfig, budget_tokens: int, max_seq
     total, done = len(prefill) + len(decode), 0
     points: list[ProfilePoint] = []
     for b, n in prefill:
-        await eng.batch(b, n, 1)  # the shape's first run builds its kernels
-        times = []
-        for _ in range(cfg.repeats):
-            stamps = await eng.batch(b, n, 1)
-            times.append(max(s[0] for s in stamps))
-        points.append(ProfilePoint(PREFILL, b, n, statistics.median(times), len(times)))
+        points.append(await _prefill_point(eng, b, n, cfg.repeats))
         done += 1
         progress(done / total)
     for b, c in decode:
-        steps = steps_of(b, c)
-        per_step: list[float] = []
-        contexts: list[float] = []
-        for _ in range(cfg.repeats):
-            stamps = await eng.batch(b, c, steps)
-            start = max(s[0] for s in stamps)  # from here every sequence of the batch decodes,
-            end = min(s[-1] for s in stamps)  # until the first one ends: pure decode iterations of b sequences
-            for s in stamps:
-                inside = [x for x in s if start <= x <= end]
-                if len(inside) >= 2 and inside[-1] > inside[0]:  # tokens handed over together share a stamp
-                    per_step.append((inside[-1] - inside[0]) / (len(inside) - 1))
-                    contexts.append(c + sum(1 for x in s if x < start) + len(inside) / 2)
-        if per_step:
-            points.append(ProfilePoint(DECODE, b, statistics.fmean(contexts), statistics.median(per_step),
-                                       len(per_step)))
+        point = await _decode_point(eng, b, c, steps_of(b, c), cfg.repeats)
+        if point is not None:
+            points.append(point)
         done += 1
         progress(done / total)
     return points
+
+
+async def _prefill_point(eng: _Engine, b: int, n: int, repeats: int) -> ProfilePoint:
+    """`b` prompts of `n` tokens sent at once, one token each: the time to the last first token."""
+    await eng.batch(b, n, 1)  # the shape's first run builds its kernels
+    times = []
+    for _ in range(repeats):
+        stamps = await eng.batch(b, n, 1)
+        times.append(max(s[0] for s in stamps))
+    return ProfilePoint(PREFILL, b, n, statistics.median(times), len(times))
+
+
+async def _decode_point(eng: _Engine, b: int, c: int, steps: int, repeats: int) -> ProfilePoint | None:
+    """`b` sequences with `c`-token prompts decoding together: the gaps between tokens once all have their first."""
+    per_step: list[float] = []
+    contexts: list[float] = []
+    for _ in range(repeats):
+        stamps = await eng.batch(b, c, steps)
+        start = max(s[0] for s in stamps)  # from here every sequence of the batch decodes,
+        end = min(s[-1] for s in stamps)  # until the first one ends: pure decode iterations of b sequences
+        for s in stamps:
+            inside = [x for x in s if start <= x <= end]
+            if len(inside) >= 2 and inside[-1] > inside[0]:  # tokens handed over together share a stamp
+                per_step.append((inside[-1] - inside[0]) / (len(inside) - 1))
+                contexts.append(c + sum(1 for x in s if x < start) + len(inside) / 2)
+    if not per_step:
+        return None
+    return ProfilePoint(DECODE, b, statistics.fmean(contexts), statistics.median(per_step), len(per_step))
+
+
+DRIFT_POINTS = ((PREFILL, 1, 512), (PREFILL, 1, 1024), (DECODE, 1, 512), (DECODE, 16, 512))
+"""Profile points measured again after the replays (those the profile has): how far the engine's own speed moved
+while the bench ran."""
+
+
+async def drift(eng: _Engine, cfg: FidelityConfig, points: list[ProfilePoint]) -> dict:
+    """The engine's speed at the end of the bench against its profile: `DRIFT_POINTS` measured again the same way;
+    per point the ratio of the time now to the profile's, and their median (above 1: the engine got slower)."""
+    rows = []
+    for kind, b, n in DRIFT_POINTS:
+        before = next((p for p in points if p.kind == kind and p.batch == b
+                       and (p.tokens == n if kind == PREFILL else abs(p.tokens - n) < 64)), None)
+        if before is None:
+            continue
+        if kind == PREFILL:
+            now = await _prefill_point(eng, b, n, cfg.repeats)
+        else:
+            now = await _decode_point(eng, b, n, cfg.decode_steps + 2, cfg.repeats)
+        if now is not None:
+            rows.append({"kind": kind, "batch": b, "tokens": n, "profile_s": before.seconds, "now_s": now.seconds,
+                         "ratio": now.seconds / before.seconds})
+    return {"points": rows, "median_ratio": statistics.median(r["ratio"] for r in rows) if rows else None}
+
+
+def cpu_steal() -> tuple[int, int] | None:
+    """(steal, all) CPU ticks since boot from /proc/stat: time the hypervisor gave this machine's CPUs to others;
+    None where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two `cpu_steal` readings. Pure."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 async def replay_real(eng: _Engine, arrival_s: np.ndarray, input_tokens: np.ndarray, output_tokens: np.ndarray,
@@ -319,8 +380,8 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
     capacity = capacity_rps(model, gpu, engine, memory, perf, inp[:sample], out[:sample])
     if not capacity > 0:
         raise ConfigError("oserve bench fidelity: the fitted model's replica serves none of the trace's requests")
-    n_replays = len(cfg.loads) + (1 if cfg.calibration_load else 0)
-    step = (1.0 - 0.05 - share) / n_replays
+    n_replays = len(cfg.loads) * cfg.real_repeats + (1 if cfg.calibration_load else 0)
+    step = (1.0 - 0.05 - share) / (n_replays + 0.5)  # half a replay's share for the drift check
     base = 0.05 + share
 
     def simulate_with(p, t, i, o) -> ReplayRecord:
@@ -330,7 +391,9 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
     if cfg.calibration_load:
         rate = cfg.calibration_load * capacity
         t, i, o = at_rate(*workload(cfg, calibration=True), rate, cfg.replay_s)
+        before = cpu_steal()
         real = await replay_real(eng, t, i, o, lambda f: progress("calibration replay", base + step * f))
+        cal_steal = steal_share(before, cpu_steal())
         base += step
 
         def simulate_at(x: float, t=t, i=i, o=o) -> ReplayRecord:
@@ -342,24 +405,41 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
         calibration = {"load": cfg.calibration_load, "rate_rps": rate, "requests": int(len(t)),
                        "arrivals_s": len(t) / rate,
                        "real_throughput_rps": served, "saturated": saturated, "sequence_overhead_factor": factor,
+                       "cpu_steal": cal_steal,
                        "sequence_overhead_s": fit.params["sequence_overhead_s"] * factor,
                        "profile_fit": compare(real, simulate_at(1.0)), "calibrated": compare(real, simulate_at(factor))}
     calibrated = perf_model(model, gpu, with_sequence_factor(fit.params, factor))
     replays = []
+    windows = [at_rate(arrival, inp, out, load * capacity, cfg.replay_s) for load in cfg.loads]
+    runs: list[list[ReplayRecord]] = [[] for _ in cfg.loads]
+    steal: list[list[float | None]] = [[] for _ in cfg.loads]
+    for j in range(cfg.real_repeats):  # every load once, then every load again: a repeat minutes later, not at once
+        for k, load in enumerate(cfg.loads):
+            done = j * len(cfg.loads) + k
+            what = f"replaying at {load:g} of capacity" + (f" (repeat {j})" if j else "")
+            before = cpu_steal()
+            runs[k].append(await replay_real(eng, *windows[k],
+                                             lambda f, d=done, w=what: progress(w, base + step * (d + f))))
+            steal[k].append(steal_share(before, cpu_steal()))
+    progress("measuring the engine's drift", base + len(cfg.loads) * cfg.real_repeats * step)
+    moved = await drift(eng, cfg, points)
     for k, load in enumerate(cfg.loads):
         rate = load * capacity
-        t, i, o = at_rate(arrival, inp, out, rate, cfg.replay_s)
-        at = base + k * step
-        real = await replay_real(eng, t, i, o, lambda f, b=at, ld=load: progress(f"replaying at {ld:g} of capacity",
-                                                                                 b + step * f))
+        t, i, o = windows[k]
+        real = runs[k][0]
         sim = simulate_with(perf, t, i, o)
         sim_cal = sim if factor == 1.0 else simulate_with(calibrated, t, i, o)
-        replays.append({"load": load, "rate_rps": rate, "requests": int(len(t)), "arrivals_s": len(t) / rate,
-                        **compare(real, sim),
-                        "calibrated": compare(real, sim_cal),
-                        "real": {**_record(real), "scheduled_s": [round(float(x), 6) for x in t],
-                                 "input_tokens": [int(x) for x in i]},
-                        "simulated": _record(sim), "simulated_calibrated": _record(sim_cal)})
+        scored, scored_cal = compare(real, sim), compare(real, sim_cal)
+        entry = {"load": load, "rate_rps": rate, "requests": int(len(t)), "arrivals_s": len(t) / rate, **scored,
+                 "calibrated": scored_cal,
+                 "real": {**_record(real), "scheduled_s": [round(float(x), 6) for x in t],
+                          "input_tokens": [int(x) for x in i]},
+                 "simulated": _record(sim), "simulated_calibrated": _record(sim_cal), "cpu_steal": steal[k]}
+        if len(runs[k]) > 1:
+            repeat = compare(real, runs[k][1])
+            entry.update(repeat=repeat, real_repeat=_record(runs[k][1]), noise=against_repeat(scored, repeat),
+                         noise_calibrated=against_repeat(scored_cal, repeat))
+        replays.append(entry)
     progress("done", 1.0)
     return {
         "model": backend_cfg.model_name, "dtype": cfg.dtype, "engine_start_s": backend.start_wall_s,
@@ -368,8 +448,12 @@ async def _run(cfg: FidelityConfig, backend: VllmBackend, backend_cfg: VllmBacke
                    "kv_capacity_tokens": backend.kv_capacity_tokens, "block_tokens": block},
         "profile": [{**asdict(p), "predicted_s": s} for p, s in zip(points, fit.predicted_s)],
         "fit": fit.to_dict(), "capacity_rps": capacity, "calibration": calibration, "replays": replays,
+        "drift": moved,
         "within_targets": all(r["within_targets"] for r in replays),
         "within_targets_calibrated": all(r["calibrated"]["within_targets"] for r in replays),
+        "within_repeatability": all(r["noise"]["within"] for r in replays) if cfg.real_repeats > 1 else None,
+        "within_repeatability_calibrated": (all(r["noise_calibrated"]["within"] for r in replays)
+                                            if cfg.real_repeats > 1 else None),
         "wall_s": time.perf_counter() - started,
     }
 
@@ -421,7 +505,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(f"fit: MAPE {result['fit']['mape']:.1%}, held out {result['fit']['holdout_mape']:.1%}")
     for row, rep in zip(axes[1:], replays):
         for ax, metric in zip(row, ("ttft", "tpot", "e2e")):
-            for side, style in (("real", "-"), ("simulated", "--"), ("simulated_calibrated", ":")):
+            for side, style in (("real", "-"), ("real_repeat", "-."), ("simulated", "--"),
+                                ("simulated_calibrated", ":")):
                 rec = rep.get(side)
                 if rec is None:
                     continue
@@ -442,6 +527,7 @@ def plot(result: dict, path: Path) -> None:
 
 def summary_json(result: dict) -> str:
     """The result without the per-request columns (the `--json` output; the report folder keeps all of it)."""
-    slim = {**result, "replays": [{k: v for k, v in r.items() if k not in ("real", "simulated", "simulated_calibrated")}
+    slim = {**result, "replays": [{k: v for k, v in r.items()
+                                   if k not in ("real", "real_repeat", "simulated", "simulated_calibrated")}
                                   for r in result["replays"]]}
     return json.dumps(slim, indent=2)

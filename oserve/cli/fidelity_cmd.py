@@ -30,6 +30,8 @@ def bench_fidelity(
                                                                  "capacity on the trace (repeatable)."),
     replay_s: float = typer.Option(60.0, "--seconds", help="Seconds of arrivals per replay."),
     repeats: int = typer.Option(3, help="Measurements per profile point (the median is kept)."),
+    real_repeats: int = typer.Option(2, "--real-repeats", help="Replays of each load on the real engine: the second "
+                                                               "measures the engine's own repeatability (1: none)."),
     seed: int = typer.Option(0, help="Seed of the prompts' random token ids."),
 ) -> None:
     """The simulator's engine against a real vLLM engine on this host: profile the engine's iteration times, fit
@@ -46,7 +48,7 @@ def bench_fidelity(
     from oserve.workers.fidelity_bench import FidelityConfig, plot, run, summary_json
 
     cfg = FidelityConfig(model_path=model_path, dtype=dtype, loads=tuple(loads), replay_s=replay_s, repeats=repeats,
-                         seed=seed)
+                         real_repeats=real_repeats, seed=seed)
     preload()
     err = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
@@ -76,7 +78,9 @@ def bench_fidelity(
     for rep in result["replays"]:
         t = Table(title=f"{rep['requests']} requests at {rep['load']:g} of capacity ({rep['rate_rps']:.2f}/s): real "
                         f"engine vs simulator (profile fit; calibrated)")
-        for col in ("metric", "real", "sim", "error", "sim cal.", "error cal.", "target"):
+        repeat = rep.get("noise")
+        cols = ("metric", "real", "sim", "error", "sim cal.", "error cal.", "target")
+        for col in cols + (("real again", "bound") if repeat else ()):
             t.add_column(col, justify="left" if col == "metric" else "right")
         for key, label in _METRICS:
             m, c = rep["metrics"][key], rep["calibrated"]["metrics"][key]
@@ -86,9 +90,25 @@ def bench_fidelity(
 
             def err(x: dict) -> str:
                 return f"{x['error']:+.1%}" + ("" if x["within"] else " ✗")
-            t.add_row(label, fmt.format(m["real"] * unit), fmt.format(m["simulated"] * unit), err(m),
-                      fmt.format(c["simulated"] * unit), err(c), f"±{m['target']:.0%}")
+            row = [label, fmt.format(m["real"] * unit), fmt.format(m["simulated"] * unit), err(m),
+                   fmt.format(c["simulated"] * unit), err(c), f"±{m['target']:.0%}"]
+            if repeat:
+                n = repeat["metrics"][key]
+                row += [f"{n['repeat_error']:+.1%}", f"±{n['bound']:.0%}" + ("" if n["within"] else " ✗")]
+            t.add_row(*row)
         console.print(compact(t))
+    moved = result.get("drift") or {}
+    if moved.get("median_ratio") is not None:
+        console.print("the engine's speed at the end against its profile (time now / then): "
+                      + ", ".join(f"{p['kind']} {p['batch']}x{p['tokens']} {p['ratio']:.2f}" for p in moved["points"])
+                      + f"; median {moved['median_ratio']:.2f}")
+    steals = [x for rep in result["replays"] for x in rep.get("cpu_steal", []) if x is not None]
+    if steals:
+        console.print(f"CPU time stolen by the hypervisor during the replays: {min(steals):.1%} to {max(steals):.1%}")
+    noise = result.get("within_repeatability")
     console.print(f"within every target: {result['within_targets']} (profile fit), "
-                  f"{result['within_targets_calibrated']} (calibrated); {result['wall_s']:.0f} s"
+                  f"{result['within_targets_calibrated']} (calibrated)"
+                  + ("" if noise is None else f"; within the engine's own repeatability (bound: the larger of the "
+                     f"target and the real engine's error on a second replay): {noise} (profile fit)")
+                  + f"; {result['wall_s']:.0f} s"
                   + (f"; report in {out}" if out else ""))
