@@ -20,7 +20,8 @@ from oserve.streams.testing import ping_until_up, running_server, unique_subject
 from oserve.traces import load_trace
 from oserve.workers.system import LiveSystem, SystemConfig, planning_inputs
 
-SPAN_S = 10.0
+SPAN_S = 40.0
+"""Clock seconds per span: 2 s of wall time at the test's 20x, the margin the gauges are read within."""
 NUM_REQUESTS = 12
 
 
@@ -99,6 +100,9 @@ async def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
             async with LiveSystem(nc, config, inputs, metrics=Metrics(registry)) as system:
                 await system.wait_serving(20)
                 client = OServeClient(nc, subjects)
+                # the burst goes out just after a span starts, so one span holds all of it, and the gauges read after
+                # that span closes have the whole next span (2 s of wall time) before an empty span replaces them
+                await system.clock.sleep_until((system.clock.now_s() // SPAN_S + 1) * SPAN_S)
                 replies = await asyncio.gather(*[client.submit(input_tokens=100 + 10 * i, max_tokens=40,
                                                                sim_output_tokens=5 + i, timeout_s=20)
                                                  for i in range(NUM_REQUESTS)])
@@ -106,7 +110,8 @@ async def test_a_live_system_exposes_vllm_and_oserve_metrics(server) -> None:
                     await client.submit(input_tokens=900_000, max_tokens=10, timeout_s=5)
                 await _until(lambda: not system.gateway.pending, 10)  # completions are published in batches
                 during = await asyncio.to_thread(scrape, metrics_server.url)
-                # a span closes with these arrivals in it: its forecast is observed too
+                # a span closes with these arrivals in it: its forecast is observed too (empty spans before the first
+                # arrival are not emitted, so the first event is that span's)
                 await _until(lambda: system.forecaster.num_events >= 1, 20)
                 after = await asyncio.to_thread(scrape, metrics_server.url)
                 num_types = system.forecaster.config.num_types

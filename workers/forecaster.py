@@ -221,10 +221,11 @@ class ForecasterStage(Worker):
         while True:
             await self.clock.sleep_until((span + 1) * span_s)
             await asyncio.sleep(self.config.grace_wall_s)
-            if self._emitted is not None or self._counts:
+            if self._emitted is not None or any(s <= span for s in self._counts):
                 await self.emit(span)
-            # else: nothing has arrived since the system started: an empty span says nothing of the demand
-            # (the system was starting), and the strategy planned from the history stays in force
+            # else: nothing has arrived since the system started (arrivals stamped in the next span, come in during
+            # the grace, do not count): an empty span says nothing of the demand (the system was starting), and the
+            # strategy planned from the history stays in force
             span += 1
 
     def _observe_span(self, counts: np.ndarray, span: int) -> None:
