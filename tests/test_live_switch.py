@@ -54,5 +54,6 @@ async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and
     assert r["gateway_migrated"] == r["migrated"]
     # one dispatched just before the flip may have no token yet (it starts over on the new replica); at least one
     # was mid-answer
-    assert all(0 <= n < 128 for n in r["migrated_tokens"]) and any(n > 0 for n in r["migrated_tokens"])
+    assert all(0 <= n < 128 for n in r["migrated_tokens"]) and any(n > 0 for n in r["migrated_tokens"]), (
+        "no migrated request was mid-answer", r["migrated_tokens"], r.get("at_flip"), r["timeline"])
     assert r["migrated_token_exact"]
