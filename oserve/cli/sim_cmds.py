@@ -387,17 +387,23 @@ def bench_ceiling(
     minutes: float = typer.Option(10.0, help="Length of the window (every deployment simulates all of it)."),
     max_replicas: int = typer.Option(4, help="Deployments of at most this many replicas are tried."),
     top: int = typer.Option(10, help="Deployments shown in the table."),
+    slice_minutes: float = typer.Option(0.0, help="Also bound switching: the best deployment per slice of this "
+                                        "many minutes (a shifting workload's phase: 6 for `shift` of 18 "
+                                        "minutes); 0: not."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write ceiling.json and fixed_deployments.png here."),
 ) -> None:
     """Every fixed deployment of the cluster, simulated with OServe's routing: the best is what choosing
     one such deployment can reach, with hindsight. Shown beside OServe, vllm-static and the
-    perfect-forecast reference."""
+    perfect-forecast reference. With --slice-minutes, also the most switching among them can win: the
+    best deployment per slice, with hindsight, each slice from idle replicas, changes free."""
     from oserve.errors import ConfigError
-    from oserve.evaluation.ceiling import fixed_deployment_outcomes
+    from oserve.evaluation.ceiling import fixed_deployment_outcomes, switching_ceiling
 
     if max_replicas < 1:
         raise ConfigError(f"--max-replicas must be >= 1, got {max_replicas}")
+    if slice_minutes < 0:
+        raise ConfigError(f"--slice-minutes must be >= 0, got {slice_minutes}")
     if top < 1:
         raise ConfigError(f"--top must be >= 1, got {top}")
     console = Console(stderr=True)
@@ -413,6 +419,12 @@ def bench_ceiling(
                                              max_replicas=max_replicas,
                                              progress=lambda done, total: bar.update(task, completed=done,
                                                                                      total=total))
+        switching = None
+        if slice_minutes > 0:
+            task = bar.add_task(f"{scenario.name}: fixed deployments slice by slice", total=None)
+            switching = switching_ceiling(spec, cluster, scenario.window, comparison.prior, slice_minutes * 60.0,
+                                          max_replicas=max_replicas,
+                                          progress=lambda done, total: bar.update(task, completed=done, total=total))
     refs = {name: r.percentile("e2e", 99) for name, r in comparison.results.items()}
     rows = [{"label": o.label, "replicas": len(o.shapes), "p99_e2e_s": o.p99_e2e_s, "dropped": o.dropped}
             for o in outcomes]
@@ -426,6 +438,14 @@ def bench_ceiling(
               "best": rows[0], "p99": refs, "static_shape": comparison.static_shape,
               "oserve_over_best": over_best(refs["oserve"]), "static_over_best": over_best(refs["vllm-static"]),
               "seconds": time.perf_counter() - start, "outcomes": rows}
+    if switching is not None:
+        result["switching"] = {
+            "slice_minutes": slice_minutes, "per_slice": list(switching.labels), "p99_e2e_s": switching.p99_e2e_s,
+            "constant": switching.constant_label, "constant_p99_e2e_s": switching.constant_p99_e2e_s,
+            "gain": switching.gain,
+            "static_over_switching": refs["vllm-static"] / switching.p99_e2e_s
+            if 0 < switching.p99_e2e_s < math.inf else math.nan,
+            "slice_p99_e2e_s": dict(zip(switching.deployment_labels, map(list, switching.slice_p99_e2e_s)))}
     if out is not None:
         _save_report(out, "ceiling", result,
                      lambda report: report.fixed_deployments(
@@ -444,6 +464,13 @@ def bench_ceiling(
         t.add_row(f"[bold]{name}[/bold]", _fmt(p99), str(int(comparison.results[name].dropped.sum())),
                   _fmt(over_best(p99)))
     out_console().print(compact(t))
+    if switching is not None:
+        sw = result["switching"]
+        out_console().print(f"switching ceiling ({slice_minutes:g}-minute slices, each from idle replicas, changes "
+                            f"free): {' -> '.join(switching.labels)}, P99 {_fmt(switching.p99_e2e_s)} s; the best "
+                            f"single deployment run the same way ({switching.constant_label}) "
+                            f"{_fmt(switching.constant_p99_e2e_s)} s: switching at the slice boundaries wins at most "
+                            f"{_fmt(switching.gain)}x; vllm-static over it {_fmt(sw['static_over_switching'])}x")
     out_console().print(f"vllm-static chose {comparison.static_shape}; {time.perf_counter() - start:.1f} s"
                         + (f"; report in {out}" if out else ""))
 

@@ -259,6 +259,17 @@ class BalancerView(_LoadView):
         return [(ctx, r.request_id) for ctx, r in self._rep.decoding_requests() if r.request_id not in leaving]
 
 
+def latency_percentile(values: np.ndarray, q: float) -> float:
+    """Percentile `q` of latencies where inf (or NaN) is a request that never finished, counting as infinitely
+    late: linear interpolation when all finished, else the 'higher' order statistic (so inf when over 1 - q/100
+    of them are unfinished). NaN for no values. Pure."""
+    values = np.asarray(values, dtype=float)
+    if not len(values):
+        return math.nan
+    return float(np.percentile(values, q, method="linear")) if np.isfinite(values).all() else \
+        float(np.quantile(np.where(np.isfinite(values), values, np.inf), q / 100.0, method="higher"))
+
+
 @dataclass
 class SimResult:
     """Everything a run produced, per request (in arrival order) and over time."""
@@ -317,11 +328,7 @@ class SimResult:
         counting as infinitely late: a policy that serves fewer requests is never faster by it."""
         if what == "tbt":
             return self.tbt.quantile(q / 100.0)
-        values = {"e2e": self.e2e_s, "ttft": self.ttft_s}[what][self.admitted]
-        if not len(values):
-            return math.nan
-        return float(np.percentile(values, q, method="linear")) if np.isfinite(values).all() else \
-            float(np.quantile(np.where(np.isfinite(values), values, np.inf), q / 100.0, method="higher"))
+        return latency_percentile({"e2e": self.e2e_s, "ttft": self.ttft_s}[what][self.admitted], q)
 
     @property
     def duration_s(self) -> float:
