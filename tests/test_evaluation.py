@@ -165,6 +165,30 @@ def test_build_scenario_scales_to_the_requested_load():
     assert s5.cv > s1.cv
 
 
+def test_quiet_busy_runs_each_phase_at_its_own_load_and_its_history_has_seen_the_peak():
+    """Reference: each phase's rate from the capacity table, as `static_capacity_rps` ranks it."""
+    from oserve.capacity import CapacityTable, LatencyTarget
+    from oserve.evaluation.scenarios import QUIET_BUSY_MIXES, QUIET_BUSY_PHASES
+    from oserve.planner.candidates import static_capacity_rps
+
+    cluster = cluster_for_gpus(8)
+    sc = build_scenario("quiet-busy", LLAMA, cluster, load=0.8, minutes=9, history_minutes=4)
+    table = CapacityTable(LLAMA, cluster.gpu, sc.types, LatencyTarget(), gpus_per_node=cluster.gpus_per_node)
+    kinds = true_types(sc.window, sc.types)
+    for i, (phase, fraction) in enumerate(QUIET_BUSY_PHASES):  # 3-minute phases
+        shares = np.array([QUIET_BUSY_MIXES[phase].get(name, 0.0) for name in sc.types.names])
+        rate = fraction * 0.8 * static_capacity_rps(table, cluster, shares / shares.sum())[0][0]
+        inside = (sc.window.arrival_s >= 180.0 * i) & (sc.window.arrival_s < 180.0 * (i + 1))
+        assert inside.sum() == pytest.approx(rate * 180.0, rel=0.1)  # Poisson: a few hundred to a thousand
+        mix = np.bincount(kinds[inside], minlength=sc.types.k) / inside.sum()
+        assert np.abs(mix - shares / shares.sum()).max() < 0.08
+    busy = (sc.window.arrival_s >= 180.0) & (sc.window.arrival_s < 360.0)
+    assert busy.sum() > 1.8 * (sc.window.arrival_s < 180.0).sum()
+    # the history: a quiet phase, then a busy one
+    early = sc.history.arrival_s < 120.0
+    assert sc.history.arrival_s.max() < sc.history_s and (~early).sum() > 1.8 * early.sum()
+
+
 def test_compositions_draw_history_and_window_from_disjoint_requests():
     from oserve.evaluation.scenarios import POOL_SPLIT_S
     from oserve.traces import load_trace

@@ -32,7 +32,7 @@ from rich.table import Table
 from oserve.cli import app
 from oserve.cli.tables import compact
 
-WORKLOADS = ("shift", "azure-conv")
+WORKLOADS = ("quiet-busy", "shift", "azure-conv")
 
 
 @app.command("demo")
@@ -42,14 +42,17 @@ def demo(
     gpus: int = typer.Option(0, help="GPUs in the (simulated) cluster (0: 8; with --engine vllm 2, the devices the "
                                      "engines are placed on: cores on a CPU host)."),
     workload: str = typer.Option("shift", help="shift (a mix that moves between short and long prompts, real "
-                                               "lengths) or azure-conv (the bundled hour, unscaled)."),
+                                               "lengths), quiet-busy (quiet long chats, a busy hour of short "
+                                               "tasks, quiet again: each phase at its own load) or azure-conv "
+                                               "(the bundled hour, unscaled)."),
     minutes: float = typer.Option(0.0, help="Minutes of the workload to replay, after its history (0: 18, or 3 "
                                             "with --engine vllm)."),
     history_minutes: float = typer.Option(10.0, "--history-minutes", help="Minutes of history the planner's "
                                                                           "models are fitted on."),
     speedup: float = typer.Option(20.0, help="Clock speed relative to wall time."),
-    load: float = typer.Option(0.8, help="shift and --simulated: demand as a fraction of the best homogeneous "
-                                         "capacity."),
+    load: float = typer.Option(0.8, help="shift, quiet-busy and --simulated: demand as a fraction of the best "
+                                         "homogeneous capacity (quiet-busy: its busy phase at 1.125x this, its "
+                                         "quiet ones at 0.375x)."),
     static: bool = typer.Option(True, "--static/--no-static", help="Replay the same window against the static "
                                                                    "deployment too, in the same run."),
     otlp_endpoint: str = typer.Option("", "--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
@@ -118,8 +121,8 @@ def demo_scenario(workload: str, model: str, gpus: int, minutes: float, history_
     from oserve.traces import load_trace
     from oserve.workload_types import fit_types
 
-    if workload == "shift":
-        return build_scenario("shift", model_preset(model), cluster_for_gpus(gpus), load=load, minutes=minutes,
+    if workload in ("quiet-busy", "shift"):
+        return build_scenario(workload, model_preset(model), cluster_for_gpus(gpus), load=load, minutes=minutes,
                               history_minutes=history_minutes)
     trace = load_trace(workload)  # the bundled hour as it is: no scaling
     history_s = history_minutes * 60.0

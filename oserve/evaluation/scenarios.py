@@ -11,8 +11,12 @@ so nothing a policy uses was fitted on the requests it serves:
   types follow the mix, each request a real request of its type drawn from the Azure conversation
   trace. The history (the first phase's mix) draws from the trace's first `POOL_SPLIT_S` seconds, the
   window from the rest: the requests a policy learns from are never those it serves.
-- `shift` (the live demo's workload): the same kind of sequence over `SHIFT_MIXES` (short prompts,
-  long prompts, short again), at `load` of the least of its phases' best homogeneous capacities.
+- `shift`: the same kind of sequence over `SHIFT_MIXES` (short prompts, long prompts, short again), at
+  `load` of the least of its phases' best homogeneous capacities.
+- `quiet-busy` (the live demo's workload): a quiet phase of chats with long answers, a busy phase of
+  short tasks, quiet again (`QUIET_BUSY_PHASES`), each phase at its own fraction of `load` x its own
+  best homogeneous capacity (with `load` 0.8: 0.3, then 0.9); the history is a quiet phase then a busy
+  one, so what is fitted on it (the static deployment too) has seen the peak.
 - A ServeGen slice (servegen-m-large, servegen-m-mid): the history is the `history_minutes` before the
   slice, generated the same way (`oserve.servegen`).
 
@@ -186,6 +190,8 @@ def build_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: floa
     history_s = history_minutes * 60.0
     if name in COMPOSITIONS or name in SEQUENCES or name == "shift":
         return _paper_scenario(name, model, cluster, load, minutes, rng, target, history_s, pool_trace)
+    if name == "quiet-busy":
+        return _quiet_busy_scenario(model, cluster, load, minutes, rng, target, history_s, pool_trace)
     if name.startswith("servegen-") or Path(name).name.startswith("servegen_"):
         return _servegen_scenario(name, model, cluster, load, minutes, rng, target, history_s)
     trace = load_trace(name)
@@ -209,6 +215,18 @@ SHIFT_MIXES: dict[str, dict[str, float]] = {
 """The `shift` scenario's phases (percent by type): a mix that moves between short and long prompts, the
 kind of shift a gateway can see at arrival (the input length is known then, the output length is not)."""
 SHIFT_PHASES: tuple[str, ...] = ("inputs-short", "inputs-long", "inputs-short")
+
+QUIET_BUSY_MIXES: dict[str, dict[str, float]] = {
+    "answers-long": {"SILO": 45.0, "LILO": 45.0, "SISO": 5.0, "LISO": 5.0},
+    "answers-short": {"SISO": 55.0, "LISO": 45.0},
+}
+QUIET_BUSY_PHASES: tuple[tuple[str, float], ...] = (("answers-long", 0.375), ("answers-short", 1.125),
+                                                     ("answers-long", 0.375))
+"""The `quiet-busy` scenario's phases: (mix, fraction of `load`). Quiet hours of long chats, where the
+fastest replicas (few, wide) give the lowest latency, and a busy hour of short tasks, where only a
+deployment built for throughput keeps up: the latency-throughput trade-off that makes switching pay.
+Measured on 8 GPUs (Llama-2-70B, 6-minute phases, `oserve bench ceiling --slice-minutes 6`): TP8 in the
+quiet phases, TP4xPP2 in the busy one gives a P99 1.27x lower than the best single deployment."""
 
 
 def _paper_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: float, minutes: float | None,
@@ -243,6 +261,37 @@ def _paper_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: flo
     phase_s = total_min * 60.0 / len(phases)
     window = sequence(phases, window_pool, pool_types[~early], types, rate, phase_s, rng, name=name, mixes=mixes)
     return Scenario(name, history, history_s, window, types, mix_cv_of(mix))
+
+
+def _quiet_busy_scenario(model: ModelSpec, cluster: ClusterSpec, load: float, minutes: float | None,
+                         rng: np.random.Generator, target: LatencyTarget, history_s: float, pool_trace: str) -> Scenario:
+    """`quiet-busy` (`QUIET_BUSY_PHASES`): each phase at its own rate, the history a quiet then a busy phase."""
+    pool = load_trace(pool_trace)
+    types = fit_types(pool.input_tokens, pool.output_tokens)
+    require_paper_names(types)
+    pool_types = true_types(pool, types)
+    table = CapacityTable(model, cluster.gpu, types, target, gpus_per_node=cluster.gpus_per_node)
+
+    def mix_of(phase: str) -> np.ndarray:
+        shares = np.zeros(types.k)
+        for type_name, pct in QUIET_BUSY_MIXES[phase].items():
+            shares[types.index(type_name)] = pct
+        return shares / shares.sum()
+
+    def rate_of(phase: str, fraction: float) -> float:
+        return fraction * load * static_capacity_rps(table, cluster, mix_of(phase))[0][0]
+
+    def phases(plan: tuple[tuple[str, float], ...], phase_s: float, source: Trace, source_types: np.ndarray,
+               name: str) -> Trace:
+        return Trace.concat([composition(QUIET_BUSY_MIXES[p], source, source_types, types, rate_of(p, f), phase_s,
+                                         rng, start_s=i * phase_s) for i, (p, f) in enumerate(plan)], name)
+    early = pool.arrival_s < POOL_SPLIT_S
+    history = phases(QUIET_BUSY_PHASES[:2], history_s / 2, pool.take(np.nonzero(early)[0]), pool_types[early],
+                     "quiet-busy-history")
+    total_min = minutes or 18.0
+    window = phases(QUIET_BUSY_PHASES, total_min * 60.0 / len(QUIET_BUSY_PHASES), pool.take(np.nonzero(~early)[0]),
+                    pool_types[~early], "quiet-busy")
+    return Scenario("quiet-busy", history, history_s, window, types, mix_cv_of(mean_mix(window, types)))
 
 
 def _servegen_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: float, minutes: float | None,
