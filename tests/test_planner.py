@@ -20,7 +20,7 @@ from oserve.planner.candidates import (assign_even, homogeneous_deployment, mix_
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
 from oserve.planner.neighbours import local_search, neighbours
-from oserve.planner.oserve import OServePlanner, worth_switching
+from oserve.planner.oserve import OServePlanner, poisson_l1_noise, worth_switching
 from oserve.planner.prior import fit_prior
 from oserve.planner.twin import ArrivalPattern, DigitalTwin, FixedPolicy, TwinConfig
 from oserve.scheduler import assign
@@ -391,3 +391,55 @@ def test_a_switch_put_off_for_its_cost_is_taken_once_the_mix_has_held_long_enoug
         assert nxt.deferred_spans == needed
     steady = planner.plan(rates, replace(put_off, deferred_spans=0, label="rescored"), None, 60.0)
     assert steady.label == "reroute"
+
+
+def test_a_deferred_switch_counts_its_spans_even_when_the_forecast_moves(prior16):
+    """Before, a forecast that moved by more than noise between two deferrals reset the count to one span, so
+    a switch away from a deployment that cannot keep up waited as long as the mix wobbled."""
+    cluster = cluster_for_gpus(8)
+    ctx = PlanningContext(LLAMA, cluster, prior16.table)
+    planner = OServePlanner(ctx, PlannerConfig(twin=TwinConfig(initial_horizon_s=120.0), neighbour_steps=0))
+    rates = prior16.counts[-1] / 60.0
+    old = homogeneous_deployment(cluster, ReplicaShape(2, 2))
+    best = homogeneous_deployment(cluster, ReplicaShape(4))
+    put_off = planner._switch(old, best, rates, 60.0, tuple(rates), held=1)
+    assert put_off.label == "keep" and put_off.deferred_spans == 1
+    moved = rates * np.where(np.arange(len(rates)) == int(np.argmax(rates)), 1.6, 1.0)
+    assert np.abs(moved - rates).sum() / rates.sum() > max(planner.config.rescore_change,
+                                                           2 * poisson_l1_noise(len(rates), rates.sum() * 60.0))
+    # the twin still prefers `best` by far: the planner wants the switch it put off
+    planner.candidates = lambda r, o: [old, best]
+    planner.twin.score = lambda dep, *a, **kw: 1.0 if dep is best else 10.0
+    held = []
+    real = planner._switch
+    planner._switch = lambda *a: held.append(a[5]) or real(*a)
+    nxt = planner.plan(moved, put_off, None, 60.0)
+    assert held == [2]
+    assert nxt.label == "switch" or (nxt.label == "keep" and nxt.deferred_spans == 2)
+    # and a second wobble counts three
+    if nxt.label == "keep":
+        planner.plan(rates, nxt, None, 60.0)
+        assert held == [2, 3]
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0, 3.0])
+def test_a_switch_away_from_an_overrun_deployment_counts_what_the_target_carries_more(prior16, scale):
+    """Reference: the rule written out from the capacity model's served rates and the switch cost."""
+    from oserve.planner.candidates import served
+
+    cluster = cluster_for_gpus(8)
+    ctx = PlanningContext(LLAMA, cluster, prior16.table)
+    planner = OServePlanner(ctx, PlannerConfig(twin=TwinConfig(initial_horizon_s=120.0)))
+    rates = scale * prior16.counts[-1] / 60.0
+    old = homogeneous_deployment(cluster, ReplicaShape(8))
+    best = homogeneous_deployment(cluster, ReplicaShape(2, 2))
+    target, switch_s = ctx.costs.gpu_to_gpu(LLAMA, cluster, old, stabilize(old, best, cluster))
+    a_cur, n_cur = served(ctx.table, old, rates)
+    a_t, _ = served(ctx.table, target, rates)
+    kept = {(r.shape, r.gpu_ids) for r in target.replicas}
+    lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in kept)
+    allowed = planner.config.max_switch_loss_frac * rates.sum() * 60.0 + max(a_t.served_rps - a_cur.served_rps, 0) * 60.0
+    decision = planner._switch(old, best, rates, 60.0, tuple(rates), held=1)
+    assert decision.label == ("keep" if lost * switch_s > allowed else "switch")
+    if scale >= 3.0:  # TP8 alone is overrun at three times the history's rate: what TP2xPP2 x 2 carries more pays for it
+        assert a_cur.served_rps < rates.sum() and a_t.served_rps > a_cur.served_rps and decision.label == "switch"

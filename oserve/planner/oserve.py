@@ -124,8 +124,11 @@ class OServePlanner:
             noise = poisson_l1_noise(len(rates), base * span_s)
             a_cur, n_cur = served(ctx.table, old, rates)
             steady = moved < max(cfg.rescore_change, 2.0 * noise)
-            if steady and current.deferred_spans:
-                held = current.deferred_spans + 1  # a switch put off for its cost: the mix has held since
+            if current.deferred_spans:
+                # a switch put off for its cost was wanted for that many spans: they count as held even when the
+                # forecast moved with noise in between (else a wobbling mix resets the count, and a switch
+                # away from an overrun deployment waits as long as the wobble lasts)
+                held = current.deferred_spans + 1
             elif steady and self._serves_all(a_cur.served_rps, rates):
                 return self._keep(old, rates, "reroute", current.scored_rps, (a_cur, n_cur))
         scored_at = tuple(float(r) for r in rates)
@@ -155,21 +158,26 @@ class OServePlanner:
     def _switch(self, old: Deployment, best: Deployment, rates: np.ndarray, span_s: float,
                 scored_at: tuple[float, ...], held: int = 1) -> Decision:
         """Move from `old` to `best` unless the switch costs too much: more of the capacity than
-        `max_switch_loss_frac` of the demand of the `held` spans the mix has lasted. A mix that held
+        `max_switch_loss_frac` of the demand of the `held` spans the mix has lasted, plus what the target
+        carries of the coming span's demand that `old` does not (by the capacity model). A mix that held
         for h spans is expected to hold about as long again, so a switch put off for one span's gain is
-        taken once the gain of the spans it has held pays for it (`Decision.deferred_spans`)."""
+        taken once the gain of the spans it has held pays for it (`Decision.deferred_spans`); a switch away
+        from a deployment the forecast overruns is not put off for that, since each span it stays the
+        queue grows by what it cannot carry."""
         ctx, cfg = self.ctx, self.config
         target = stabilize(old, best, ctx.cluster)
         switch_s = 0.0
+        a_t, n_t = served(ctx.table, target, rates)
         if not cfg.free_switching:
             target, switch_s = ctx.costs.gpu_to_gpu(ctx.model, ctx.cluster, old, target)
-            _, n_cur = served(ctx.table, old, rates)
+            a_t, n_t = served(ctx.table, target, rates)
+            a_cur, n_cur = served(ctx.table, old, rates)
             new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
             lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas)
                        if (r.shape, r.gpu_ids) not in new_keys)
-            if lost * switch_s > cfg.max_switch_loss_frac * float(rates.sum()) * span_s * held:
+            carried = max(a_t.served_rps - a_cur.served_rps, 0.0) * span_s
+            if lost * switch_s > cfg.max_switch_loss_frac * float(rates.sum()) * span_s * held + carried:
                 return self._keep(old, rates, "keep", scored_at, deferred_spans=held)
-        a_t, n_t = served(ctx.table, target, rates)
         return Decision(target, weights_for(a_t, n_t), switch_s, tuple(rates), "switch",
                         drain_retired=cfg.free_switching, scored_rps=scored_at)
 
