@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from oserve.capacity import CapacityTable
 from oserve.decision import Decision
 from oserve.errors import ConfigError, InfeasibleError
 from oserve.evaluation.policies import Gateway
@@ -82,6 +83,24 @@ def mean_class_rates(prior: Prior, window: Trace) -> np.ndarray:
     return np.bincount(classes, minlength=len(prior.class_names)) / max(window.duration_s, 1e-9)
 
 
+def placed_deployments(table: CapacityTable, cluster: ClusterSpec, max_replicas: int) -> list[tuple[tuple[ReplicaShape, ...], Deployment]]:
+    """Every multiset of `deployment_multisets` over the table's shapes that packs onto `cluster`'s nodes, placed.
+
+    Raises:
+        InfeasibleError: none of at most `max_replicas` replicas uses the cluster exactly.
+    """
+    placed = []
+    for combo in deployment_multisets(table.shapes(cluster.num_gpus), cluster.num_gpus, max_replicas):
+        try:
+            placed.append((combo, place(list(combo), cluster)))
+        except (ConfigError, InfeasibleError):
+            continue  # does not pack onto the nodes
+    if not placed:
+        raise InfeasibleError(f"no deployment of at most {max_replicas} replicas uses all {cluster.num_gpus} "
+                              f"GPUs of {cluster.name}")
+    return placed
+
+
 @dataclass(frozen=True, slots=True)
 class FixedOutcome:
     """One deployment's simulated run."""
@@ -111,16 +130,7 @@ def fixed_deployment_outcomes(model: ModelSpec, cluster: ClusterSpec, window: Tr
     """
     table = prior.table
     rates = mean_class_rates(prior, window)
-    combos = deployment_multisets(table.shapes(cluster.num_gpus), cluster.num_gpus, max_replicas)
-    placed = []
-    for combo in combos:
-        try:
-            placed.append((combo, place(list(combo), cluster)))
-        except (ConfigError, InfeasibleError):
-            continue  # does not pack onto the nodes
-    if not placed:
-        raise InfeasibleError(f"no deployment of at most {max_replicas} replicas uses all {cluster.num_gpus} "
-                              f"GPUs of {cluster.name}")
+    placed = placed_deployments(table, cluster, max_replicas)
     out = []
     for i, (combo, dep) in enumerate(placed):
         n = table.matrix(dep.shapes())
@@ -223,16 +233,7 @@ def switching_ceiling(model: ModelSpec, cluster: ClusterSpec, window: Trace, pri
     """
     table = prior.table
     slices = [part for part in window_slices(window, slice_s) if len(part)]
-    combos = deployment_multisets(table.shapes(cluster.num_gpus), cluster.num_gpus, max_replicas)
-    placed = []
-    for combo in combos:
-        try:
-            placed.append((combo, place(list(combo), cluster)))
-        except (ConfigError, InfeasibleError):
-            continue
-    if not placed:
-        raise InfeasibleError(f"no deployment of at most {max_replicas} replicas uses all {cluster.num_gpus} "
-                              f"GPUs of {cluster.name}")
+    placed = placed_deployments(table, cluster, max_replicas)
     latencies: list[list[np.ndarray]] = []
     total, done = len(placed) * len(slices), 0
     for combo, dep in placed:
