@@ -437,9 +437,11 @@ def test_a_switch_away_from_an_overrun_deployment_counts_what_the_target_carries
     a_cur, n_cur = served(ctx.table, old, rates)
     a_t, _ = served(ctx.table, target, rates)
     kept = {(r.shape, r.gpu_ids) for r in target.replicas}
-    lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas) if (r.shape, r.gpu_ids) not in kept)
-    allowed = planner.config.max_switch_loss_frac * rates.sum() * 60.0 + max(a_t.served_rps - a_cur.served_rps, 0) * 60.0
+    lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas)
+               if (r.shape, r.gpu_ids) not in kept)
+    allowed = (planner.config.max_switch_loss_frac * rates.sum() * 60.0
+               + max(a_t.served_rps - a_cur.served_rps, 0) * 60.0)
     decision = planner._switch(old, best, rates, 60.0, tuple(rates), held=1)
     assert decision.label == ("keep" if lost * switch_s > allowed else "switch")
-    if scale >= 3.0:  # TP8 alone is overrun at three times the history's rate: what TP2xPP2 x 2 carries more pays for it
+    if scale >= 3.0:  # TP8 alone is overrun at three times the history's rate: what TP2xPP2 x 2 carries more pays
         assert a_cur.served_rps < rates.sum() and a_t.served_rps > a_cur.served_rps and decision.label == "switch"

@@ -83,7 +83,8 @@ def mean_class_rates(prior: Prior, window: Trace) -> np.ndarray:
     return np.bincount(classes, minlength=len(prior.class_names)) / max(window.duration_s, 1e-9)
 
 
-def placed_deployments(table: CapacityTable, cluster: ClusterSpec, max_replicas: int) -> list[tuple[tuple[ReplicaShape, ...], Deployment]]:
+def placed_deployments(table: CapacityTable, cluster: ClusterSpec,
+                       max_replicas: int) -> list[tuple[tuple[ReplicaShape, ...], Deployment]]:
     """Every multiset of `deployment_multisets` over the table's shapes that packs onto `cluster`'s nodes, placed.
 
     Raises:

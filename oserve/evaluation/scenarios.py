@@ -264,7 +264,8 @@ def _paper_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: flo
 
 
 def _quiet_busy_scenario(model: ModelSpec, cluster: ClusterSpec, load: float, minutes: float | None,
-                         rng: np.random.Generator, target: LatencyTarget, history_s: float, pool_trace: str) -> Scenario:
+                         rng: np.random.Generator, target: LatencyTarget, history_s: float,
+                         pool_trace: str) -> Scenario:
     """`quiet-busy` (`QUIET_BUSY_PHASES`): each phase at its own rate, the history a quiet then a busy phase."""
     pool = load_trace(pool_trace)
     types = fit_types(pool.input_tokens, pool.output_tokens)
