@@ -167,10 +167,10 @@ class OServePlanner:
         ctx, cfg = self.ctx, self.config
         target = stabilize(old, best, ctx.cluster)
         switch_s = 0.0
-        a_t, n_t = served(ctx.table, target, rates)
         if not cfg.free_switching:
             target, switch_s = ctx.costs.gpu_to_gpu(ctx.model, ctx.cluster, old, target)
-            a_t, n_t = served(ctx.table, target, rates)
+        a_t, n_t = served(ctx.table, target, rates)
+        if not cfg.free_switching:
             a_cur, n_cur = served(ctx.table, old, rates)
             new_keys = {(r.shape, r.gpu_ids) for r in target.replicas}
             lost = sum(mix_capacity_rps(n_cur[k], rates) for k, r in enumerate(old.replicas)
