@@ -184,6 +184,37 @@ def fixed_deployments(outcomes: list[dict], references: dict[str, float], path: 
     return _save(plt, fig, path)
 
 
+def switching_schedule(slice_p99: dict[str, list[float]], chosen: list[str], path: Path, title: str = "",
+                       most: int = 8) -> Path:
+    """Each deployment's P99 slice by slice (`oserve bench ceiling --slice-minutes`: lines, the `most` best over
+    the slices, by their worst slice, and every chosen one) with the schedule chosen per slice as black dots.
+
+    `slice_p99`: deployment label -> its P99 on each slice; `chosen`: the label chosen for each slice.
+    """
+    plt = _plt()
+    num_slices = len(chosen)
+    x = np.arange(1, num_slices + 1)
+
+    def worst(label: str) -> float:
+        vals = [v for v in slice_p99[label] if np.isfinite(v)]
+        return max(vals) if len(vals) == num_slices else float("inf")
+    shown = sorted(slice_p99, key=worst)[:most]
+    shown += [label for label in dict.fromkeys(chosen) if label not in shown]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * num_slices + 4), 4.5))
+    for label in shown:
+        vals = [v if np.isfinite(v) else np.nan for v in slice_p99[label]]
+        ax.plot(x, vals, marker=".", lw=1.0, alpha=0.8, label=label)
+    ax.plot(x, [slice_p99[label][i] for i, label in enumerate(chosen)], "ko", ms=9, mfc="none", mew=2,
+            label="chosen per slice")
+    ax.set_xticks(x, [f"{i}\n{label}" for i, label in zip(x, chosen)], fontsize=7)
+    ax.set_xlabel("slice (and the deployment chosen for it)")
+    ax.set_ylabel("P99 end-to-end latency on the slice (s)")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title or "Every deployment slice by slice, and the best per slice")
+    return _save(plt, fig, path)
+
+
 def robustness(rows: list[dict], path: Path, title: str = "") -> Path:
     """P99 of each policy per (scenario, injected error), relative to vllm-static (`oserve bench
     robustness`): bars above 1 are slower than the static deployment; an unfinished request shows as a

@@ -30,7 +30,7 @@ def test_simulate_json_and_plots(monkeypatch, capsys, tmp_path: Path) -> None:
 
 def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> None:
     code, out, err = run_cli(monkeypatch, capsys, "bench", "ceiling", "--trace", "S1", "--minutes", "1", "--gpus",
-                             "8", "--max-replicas", "2", "--json", "--out", str(tmp_path))
+                             "8", "--max-replicas", "2", "--slice-minutes", "0.5", "--json", "--out", str(tmp_path))
     assert code == 0, err
     result = json.loads(out)
     rows = result["outcomes"]
@@ -40,6 +40,12 @@ def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
     assert set(result["p99"]) == {"oserve", "vllm-static", "perfect-forecast"}
     assert (tmp_path / "fixed_deployments.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "ceiling.json").read_text())["scenario"] == "S1"
+    # the switching bound: a deployment per 30-second slice, never worse than the best single one run the same way
+    sw = result["switching"]
+    assert len(sw["per_slice"]) == 2 and set(sw["per_slice"]) <= set(sw["slice_p99_e2e_s"])
+    assert sw["p99_e2e_s"] <= sw["constant_p99_e2e_s"] and sw["gain"] >= 1.0
+    assert all(len(v) == 2 for v in sw["slice_p99_e2e_s"].values())
+    assert (tmp_path / "switching.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("args, message", [
@@ -52,6 +58,7 @@ def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
     (("simulate", "--minutes", "0"), "--minutes must be > 0"),
     (("bench", "ceiling", "--max-replicas", "0"), "--max-replicas must be >= 1"),
     (("bench", "ceiling", "--top", "0"), "--top must be >= 1"),
+    (("bench", "ceiling", "--slice-minutes", "-1"), "--slice-minutes must be >= 0"),
     (("bench", "e2e", "--set", "mine"), "--set must be one of"),
     (("bench", "uncertainty", "--accuracies", "1,high"), "--accuracies must be numbers"),
     (("bench", "uncertainty", "--accuracies", "1.5"), "--accuracies must each be in [0, 1]"),

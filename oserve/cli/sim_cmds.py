@@ -447,10 +447,16 @@ def bench_ceiling(
             if 0 < switching.p99_e2e_s < math.inf else math.nan,
             "slice_p99_e2e_s": dict(zip(switching.deployment_labels, map(list, switching.slice_p99_e2e_s)))}
     if out is not None:
-        _save_report(out, "ceiling", result,
-                     lambda report: report.fixed_deployments(
-                         rows, refs, out / "fixed_deployments.png",
-                         f"{scenario.name} on {gpus} GPUs: every fixed deployment's P99"))
+        def plots(report) -> None:
+            report.fixed_deployments(rows, refs, out / "fixed_deployments.png",
+                                     f"{scenario.name} on {gpus} GPUs: every fixed deployment's P99")
+            if switching is not None:
+                report.switching_schedule(
+                    dict(zip(switching.deployment_labels, map(list, switching.slice_p99_e2e_s))),
+                    list(switching.labels), out / "switching.png",
+                    f"{scenario.name} on {gpus} GPUs, {slice_minutes:g}-minute slices: switching wins at most "
+                    f"{_fmt(switching.gain)}x")
+        _save_report(out, "ceiling", result, plots)
     if json_out:
         typer.echo(json.dumps(_json_safe(result), indent=2))
         return
