@@ -163,32 +163,26 @@ def best_schedule(latencies: Sequence[Sequence[np.ndarray]], q: float = 99.0,
         raise ConfigError("best_schedule: need at least one deployment, and the same number (>= 1) of slices for each")
     num_slices = len(latencies[0])
 
-    def value(choice: tuple[int, ...]) -> float:
-        return latency_percentile(np.concatenate([latencies[d][s] for s, d in enumerate(choice)]), q)
-
-    def better(a: tuple[float, tuple[int, ...]], b: tuple[float, tuple[int, ...]]) -> bool:
-        return (np.nan_to_num(a[0], nan=math.inf), a[1]) < (np.nan_to_num(b[0], nan=math.inf), b[1])
+    def scored(choice: tuple[int, ...]) -> tuple[float, tuple[int, ...]]:
+        return _ranked(latency_percentile(np.concatenate([latencies[d][s] for s, d in enumerate(choice)]), q)), choice
 
     if num_deps ** num_slices <= max_exhaustive:
-        best = None
-        for choice in itertools.product(range(num_deps), repeat=num_slices):
-            cand = (value(choice), choice)
-            if best is None or better(cand, best):
-                best = cand
-        assert best is not None
-        return best[1], best[0]
-    own = tuple(min(range(num_deps), key=lambda d, s=s: (np.nan_to_num(latency_percentile(latencies[d][s], q),
-                                                                      nan=math.inf), d))
+        value, choice = min(scored(c) for c in itertools.product(range(num_deps), repeat=num_slices))
+        return choice, value
+    own = tuple(min(range(num_deps), key=lambda d, s=s: (_ranked(latency_percentile(latencies[d][s], q)), d))
                 for s in range(num_slices))
-    starts = [own] + [(d,) * num_slices for d in range(num_deps)]
-    best = min(((value(c), c) for c in starts), key=lambda vc: (np.nan_to_num(vc[0], nan=math.inf), vc[1]))
+    best = min(scored(c) for c in [own] + [(d,) * num_slices for d in range(num_deps)])
     while True:
-        moves = [(value(c), c) for s in range(num_slices) for d in range(num_deps) if d != best[1][s]
-                 for c in [best[1][:s] + (d,) + best[1][s + 1:]]]
-        step = min(moves, key=lambda vc: (np.nan_to_num(vc[0], nan=math.inf), vc[1]), default=None)
+        step = min((scored(best[1][:s] + (d,) + best[1][s + 1:]) for s in range(num_slices) for d in range(num_deps)
+                    if d != best[1][s]), default=None)
         if step is None or not step[0] < best[0]:  # strictly lower each step: it ends
             return best[1], best[0]
         best = step
+
+
+def _ranked(p99: float) -> float:
+    """A percentile to rank by: NaN (no request) as the worst."""
+    return math.inf if math.isnan(p99) else p99
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +245,7 @@ def switching_ceiling(model: ModelSpec, cluster: ClusterSpec, window: Trace, pri
     labels = tuple(" + ".join(str(s) for s in combo) for combo, _ in placed)
     choice, p99 = best_schedule(latencies)
     constants = [latency_percentile(np.concatenate(row), 99.0) for row in latencies]
-    best_constant = min(range(len(placed)), key=lambda d: (np.nan_to_num(constants[d], nan=math.inf), d))
+    best_constant = min(range(len(placed)), key=lambda d: (_ranked(constants[d]), d))
     return SwitchingCeiling(slice_s, tuple(labels[d] for d in choice), p99, labels[best_constant],
                             constants[best_constant],
                             tuple(tuple(latency_percentile(x, 99.0) for x in row) for row in latencies), labels)

@@ -13,7 +13,7 @@ so nothing a policy uses was fitted on the requests it serves:
   window from the rest: the requests a policy learns from are never those it serves.
 - `shift`: the same kind of sequence over `SHIFT_MIXES` (short prompts, long prompts, short again), at
   `load` of the least of its phases' best homogeneous capacities.
-- `quiet-busy` (the live demo's workload): a quiet phase of chats with long answers, a busy phase of
+- `quiet-busy`: a quiet phase of chats with long answers, a busy phase of
   short tasks, quiet again (`QUIET_BUSY_PHASES`), each phase at its own fraction of `load` x its own
   best homogeneous capacity (with `load` 0.8: 0.3, then 0.9); the history is a quiet phase then a busy
   one, so what is fitted on it (the static deployment too) has seen the peak.
@@ -226,7 +226,18 @@ QUIET_BUSY_PHASES: tuple[tuple[str, float], ...] = (("answers-long", 0.375), ("a
 fastest replicas (few, wide) give the lowest latency, and a busy hour of short tasks, where only a
 deployment built for throughput keeps up: the latency-throughput trade-off that makes switching pay.
 Measured on 8 GPUs (Llama-2-70B, 6-minute phases, `oserve bench ceiling --slice-minutes 6`): TP8 in the
-quiet phases, TP4xPP2 in the busy one gives a P99 1.27x lower than the best single deployment."""
+quiet phases, TP4xPP2 in the busy one gives a P99 1.26x lower than the best single deployment."""
+
+
+def _typed_pool(pool_trace: str, model: ModelSpec, cluster: ClusterSpec,
+                target: LatencyTarget) -> tuple[Trace, WorkloadTypes, np.ndarray, CapacityTable]:
+    """The trace the paper's kind of scenario draws its requests from, its four types, each request's type, and
+    the capacity table for those types."""
+    pool = load_trace(pool_trace)
+    types = fit_types(pool.input_tokens, pool.output_tokens)
+    require_paper_names(types)
+    table = CapacityTable(model, cluster.gpu, types, target, gpus_per_node=cluster.gpus_per_node)
+    return pool, types, true_types(pool, types), table
 
 
 def _paper_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: float, minutes: float | None,
@@ -234,11 +245,7 @@ def _paper_scenario(name: str, model: ModelSpec, cluster: ClusterSpec, load: flo
     """A composition, a sequence, or `shift`. The paper's run at `load` x the best homogeneous capacity of
     their mean mix; `shift` at `load` x the least of its phases' best homogeneous capacities, so the
     deployment best for each phase is never overrun while the one best for another may be."""
-    pool = load_trace(pool_trace)
-    types = fit_types(pool.input_tokens, pool.output_tokens)
-    require_paper_names(types)
-    pool_types = true_types(pool, types)
-    table = CapacityTable(model, cluster.gpu, types, target, gpus_per_node=cluster.gpus_per_node)
+    pool, types, pool_types, table = _typed_pool(pool_trace, model, cluster, target)
     mixes = {**COMPOSITIONS, **SHIFT_MIXES}
     phases = (name,) if name in COMPOSITIONS else SHIFT_PHASES if name == "shift" else SEQUENCES[name]
     total_min = minutes or (20.0 if name in COMPOSITIONS else 30.0)
@@ -267,11 +274,7 @@ def _quiet_busy_scenario(model: ModelSpec, cluster: ClusterSpec, load: float, mi
                          rng: np.random.Generator, target: LatencyTarget, history_s: float,
                          pool_trace: str) -> Scenario:
     """`quiet-busy` (`QUIET_BUSY_PHASES`): each phase at its own rate, the history a quiet then a busy phase."""
-    pool = load_trace(pool_trace)
-    types = fit_types(pool.input_tokens, pool.output_tokens)
-    require_paper_names(types)
-    pool_types = true_types(pool, types)
-    table = CapacityTable(model, cluster.gpu, types, target, gpus_per_node=cluster.gpus_per_node)
+    pool, types, pool_types, table = _typed_pool(pool_trace, model, cluster, target)
 
     def mix_of(phase: str) -> np.ndarray:
         shares = np.zeros(types.k)
