@@ -206,3 +206,28 @@ def test_the_loop_finds_an_injected_error_and_stays_with_static():
     assert r["oserve"]["p99_e2e_s"] <= 1.1 * r["oserve-true-table"]["p99_e2e_s"]
     assert r["oserve-trusting"]["p99_e2e_s"] > 2.0 * r["oserve"]["p99_e2e_s"]
     assert row.pairs > 0 and row.learned_error < 0.5 * row.model_error
+
+
+@settings(max_examples=20, deadline=None)
+@given(p99s=st.lists(st.one_of(st.floats(1.0, 100.0), st.just(math.inf)), min_size=3, max_size=3),
+       distrusted=st.lists(st.booleans(), min_size=3, max_size=3))
+def test_the_measured_best_is_the_lowest_p99_measured_before_the_window_and_trusted(p99s, distrusted):
+    """Reference: the minimum over the seeded runs with a finite P99 that are not distrusted; None without one."""
+    from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, deployment_key
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.planner.config import PlannerConfig
+    from oserve.planner.context import PlanningContext
+
+    planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE), PlannerConfig(twin=None))
+    assert planner.measured_best_p99() is None
+    deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
+    planner.seed([MeasuredRun(d, (), p) for d, p in zip(deps, p99s)])
+    for d, flag in zip(deps, distrusted):
+        planner.measured[deployment_key(d)].distrusted = flag
+    ok = [(p, i) for i, (p, flag) in enumerate(zip(p99s, distrusted)) if math.isfinite(p) and not flag]
+    got = planner.measured_best_p99()
+    if not ok:
+        assert got is None
+    else:
+        assert got is not None and min(p for p, _ in ok) == p99s[[deployment_key(d) for d in deps].index(
+            deployment_key(got))]

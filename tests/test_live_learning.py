@@ -17,8 +17,8 @@ from oserve.planner.adaptive import SelfCorrectingPlanner, SpanRecord
 from oserve.planner.learned import ReplicaWindow
 from oserve.specs import ReplicaShape
 from oserve.streams.jetstream import ensure_streams
-from oserve.streams.schemas import (Completed, Completion, Dispatch, ForecastMade, Heartbeat, StrategyChosen, decode,
-                                    encode)
+from oserve.streams.schemas import (Arrival, Arrived, Completed, Completion, Dispatch, ForecastMade, Heartbeat,
+                                    StrategyChosen, decode, encode)
 from oserve.streams.subjects import Subjects
 from oserve.streams.testing import running_server, unique_subjects, wait_until
 from oserve.traces import load_trace
@@ -137,12 +137,14 @@ class RecordingPlanner(SelfCorrectingPlanner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.seen: list[SpanRecord] = []
+        self.recent: list = []
 
     def observe(self, span, current):
         self.seen.append(span)
         return super().observe(span, current)
 
     def plan(self, rates_rps, current, recent, span_s):
+        self.recent.append(recent)
         return current if current is not None else super().plan(rates_rps, current, recent, span_s)
 
 
@@ -178,6 +180,10 @@ async def test_heartbeats_and_completions_become_the_span_the_planner_observes(s
             items = [_completion(ids[0], 11.0 + i, i % 2) for i in range(5)]
             await nc.publish(subjects.completions(), encode(Completed(replica_id=ids[0], items=items)))
             await wait_until(lambda: len(worker._completions) == 5, 5, "the completions")
+            arrivals = [Arrival(request_id=f"a{i}", at_s=12.0 + i, input_tokens=50, est_output_tokens=20,
+                                type_index=i % 2, replica_id=ids[0]) for i in range(3)]
+            await nc.publish(subjects.arrivals(), encode(Arrived(gateway_id="g", items=arrivals)))
+            await wait_until(lambda: len(worker._arrivals.get(1, ())) == 3, 5, "the arrivals")
             await heartbeats(19.5, 14.0, 11.0, 3)
             await forecast(1)
         await nc.close()
@@ -190,6 +196,11 @@ async def test_heartbeats_and_completions_become_the_span_the_planner_observes(s
     assert all(w.seconds == pytest.approx(10.0) and w.saturated_s == pytest.approx(9.0) for w in record.windows)
     assert record.windows[0].completed == (3.0, 2.0, 0.0, 0.0) and record.completions == 5.0
     assert record.waiting_growth == 2.0 * len(ids)
+    # the twin is told what each class turned out to contain: the span's completions by class at arrival
+    pattern = planner.recent[-1]
+    assert list(pattern.classes) == [0, 1, 0]
+    assert [len(i) for i, _ in pattern.lengths] == [3, 2, 0, 0]
+    assert all(set(i) <= {100} and set(o) <= {11} for i, o in pattern.lengths)
 
 
 async def test_the_learner_survives_a_restart_and_rides_on_each_strategy(server, inputs, caplog) -> None:

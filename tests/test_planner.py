@@ -22,7 +22,7 @@ from oserve.planner.context import PlanningContext
 from oserve.planner.neighbours import local_search, neighbours
 from oserve.planner.oserve import OServePlanner, poisson_l1_noise, worth_switching
 from oserve.planner.prior import fit_prior
-from oserve.planner.twin import ArrivalPattern, DigitalTwin, FixedPolicy, TwinConfig
+from oserve.planner.twin import ArrivalPattern, DigitalTwin, FixedPolicy, RecentLengths, TwinConfig
 from oserve.scheduler import assign
 from oserve.sim.kernel import simulate
 from oserve.specs import GPUS, Deployment, Replica, ReplicaShape, cluster_for_gpus, model_preset
@@ -445,3 +445,77 @@ def test_a_switch_away_from_an_overrun_deployment_counts_what_the_target_carries
     assert decision.label == ("keep" if lost * switch_s > allowed else "switch")
     if scale >= 3.0:  # TP8 alone is overrun at three times the history's rate: what TP2xPP2 x 2 carries more pays
         assert a_cur.served_rps < rates.sum() and a_t.served_rps > a_cur.served_rps and decision.label == "switch"
+
+
+@settings(max_examples=30, deadline=None)
+@given(spans=st.lists(st.lists(st.tuples(st.integers(-1, 4), st.integers(0, 50), st.integers(0, 50)), max_size=12),
+                      max_size=5),
+       keep=st.integers(1, 3))
+def test_recent_lengths_keep_each_classs_completions_of_the_last_spans(spans, keep):
+    """Reference: the completions of the last `keep` spans, filtered to valid classes and lengths, by class."""
+    recent = RecentLengths(4, keep)
+    for span in spans:
+        recent.add_span(span)
+    kept = [t for span in spans[-keep:] for t in span if 0 <= t[0] < 4 and t[1] >= 1 and t[2] >= 1]
+    got = recent.lengths()
+    assert len(got) == 4
+    for j in range(4):
+        assert list(zip(got[j][0].tolist(), got[j][1].tolist())) == [(i, o) for c, i, o in kept if c == j]
+
+
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=4, max_size=4), seed=st.integers(0, 50))
+def test_the_twin_draws_a_class_from_its_recent_completions_when_it_has_enough(prior16, counts, seed):
+    """A class with at least `min_recent_lengths` recent completions is drawn from them alone; one with
+    fewer from the prior's pairs of that class, as before."""
+    twin = _twin(prior16, cluster_for_gpus(8), seed=seed, min_recent_lengths=20)
+    rng = np.random.default_rng(seed)
+    recent = RecentLengths(4, 2)
+    recent.add_span([(j, 5000 + j, 3000 + i) for j, c in enumerate(counts) for i in range(c)])
+    offsets = rng.random(40) * 60.0
+    pattern = ArrivalPattern(offsets, np.arange(40) % 4, 60.0, recent.lengths())
+    trace, kind, _ = twin.workload(np.full(4, 0.5), pattern)
+    for j in range(4):
+        drawn = set(zip(trace.input_tokens[kind == j].tolist(), trace.output_tokens[kind == j].tolist()))
+        if counts[j] >= 20:
+            assert drawn <= {(5000 + j, 3000 + i) for i in range(counts[j])}
+        else:
+            inputs, outputs, _ = prior16.lengths.type_lengths(j)
+            assert drawn <= set(zip(inputs.tolist(), outputs.tolist()))
+
+
+def test_a_pattern_checks_its_lengths():
+    with pytest.raises(ConfigError, match="lengths"):
+        ArrivalPattern(np.zeros(1), np.zeros(1), 60.0, ((np.array([1, 2]), np.array([3])),))
+    with pytest.raises(ConfigError, match="lengths"):
+        ArrivalPattern(np.zeros(1), np.zeros(1), 60.0, ((np.array([0]), np.array([3])),))
+    with pytest.raises(ConfigError, match="recent_spans"):
+        TwinConfig(recent_spans=0)
+    with pytest.raises(ConfigError, match="measured_bonus"):
+        PlannerConfig(measured_bonus=1.0)
+
+
+def test_the_deployment_measured_best_is_a_candidate_and_counts_its_bonus(prior16):
+    """The measured deployment is scored with the others; reference: the planner's own candidates and
+    twin scores, with the measured one's score lowered by `measured_bonus`."""
+    cluster = cluster_for_gpus(16)
+    ctx = PlanningContext(LLAMA, cluster, prior16.table)
+    rates = prior16.counts[-1] / 60.0 * 3.0
+    plain = OServePlanner(ctx, PlannerConfig(neighbour_steps=0, measured_bonus=0.0))
+    others = plain.candidates(rates, Deployment.empty())
+    known = [sorted(d.shapes()) for d in others]
+    measured = next(dep for dep in (homogeneous_deployment(cluster, shape) for shape in (
+        ReplicaShape(8, 2), ReplicaShape(2, 8), ReplicaShape(4, 4), ReplicaShape(8), ReplicaShape(2, 4)))
+        if sorted(dep.shapes()) not in known)  # one the planner would not score by itself
+    with_it = plain.candidates(rates, Deployment.empty(), measured)
+    assert with_it[0] == measured and with_it[1:] == others
+    scores = []
+    for dep in with_it:
+        n = ctx.table.matrix(dep.shapes())
+        scores.append(plain.twin.score(dep, weights_for(assign_even(rates, n), n), rates, long=True))
+    for bonus in (0.0, 0.05, 0.9):
+        planner = OServePlanner(ctx, PlannerConfig(neighbour_steps=0, measured_bonus=bonus))
+        want = int(np.argmin([scores[0] * (1 - bonus), *scores[1:]]))
+        got = planner.plan(rates, None, None, 60.0, measured)
+        assert sorted(got.deployment.shapes()) == sorted(with_it[want].shapes())
+    assert sorted(planner.plan(rates, None, None, 60.0, measured).deployment.shapes()) == sorted(measured.shapes())

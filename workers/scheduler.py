@@ -2,7 +2,9 @@
 
 It calls `oserve.planner.OServePlanner.plan` — the very call the simulator's OServe policy makes —
 with the forecast's rates, the decision in force and the arrivals the gateway saw in the span that
-just closed (read from its `Arrived` events: offsets and classes, never output lengths). The decision
+just closed (read from its `Arrived` events: offsets and classes, never output lengths at arrival) and
+what each class turned out to contain lately (the lengths of the requests that finished in the last
+`TwinConfig.recent_spans` spans, from the engines' `Completed` events, by class at arrival). The decision
 goes to the strategy KV bucket (so a restarted scheduler resumes from the deployment in force) and out
 as a `StrategyChosen` event. Planning runs in a thread: the event loop keeps serving meanwhile.
 
@@ -40,7 +42,7 @@ from oserve.planner.adaptive import SelfCorrectingPlanner, SpanRecord
 from oserve.planner.learned import Correction
 from oserve.planner.oserve import OServePlanner
 from oserve.planner.static import StaticPlanner
-from oserve.planner.twin import ArrivalPattern
+from oserve.planner.twin import ArrivalPattern, RecentLengths, TwinConfig
 from oserve.specs import Deployment, Replica, ReplicaShape
 from oserve.streams.jetstream import EventPublisher
 from oserve.streams.schemas import (Arrived, Completed, Completion, ForecastMade, Heartbeat, ReplicaSpec,
@@ -149,6 +151,13 @@ class SchedulerWorker(Worker):
         self.num_over_budget = 0
         """Decisions (after the first, made before serving) that took longer than the budget."""
         self._arrivals: dict[int, list[tuple[float, int]]] = {}  # span index -> (offset_s, class) seen so far
+        twin = getattr(getattr(planner, "config", None), "twin", None)
+        self.reads_lengths = twin is not None
+        """The planner scores on the twin: the worker reads completions for what each class contained lately."""
+        self._recent_spans = (twin or TwinConfig()).recent_spans
+        self._finished: dict[int, list[tuple[int, int, int]]] = {}
+        """span index -> (class at arrival, input, output tokens) of the requests that finished in it: what each
+        class turned out to contain lately, for the twin (`oserve.planner.twin.RecentLengths`)."""
         self.learning = isinstance(planner, SelfCorrectingPlanner)
         """The planner learns capacity (it has `observe`): the worker reads heartbeats and completions."""
         self.records: list[SpanRecord] = []
@@ -167,8 +176,9 @@ class SchedulerWorker(Worker):
         s = self.config.subjects
         subs = [await self.nc.subscribe(s.arrivals(), cb=self.typed(Arrived, self._on_arrived))]
         if self.learning:
-            subs += [await self.nc.subscribe(s.heartbeats(), cb=self.typed(Heartbeat, self._on_heartbeat)),
-                     await self.nc.subscribe(s.completions(), cb=self.typed(Completed, self._on_completed))]
+            subs.append(await self.nc.subscribe(s.heartbeats(), cb=self.typed(Heartbeat, self._on_heartbeat)))
+        if self.learning or self.reads_lengths:
+            subs.append(await self.nc.subscribe(s.completions(), cb=self.typed(Completed, self._on_completed)))
         forecasts = await self.nc.subscribe(s.plan_event("forecast"), cb=self.typed(ForecastMade, self._on_forecast))
         return [*subs, forecasts]
 
@@ -214,9 +224,12 @@ class SchedulerWorker(Worker):
     async def _on_completed(self, ev: Completed, msg: Msg) -> None:
         span_s = self.config.span_s
         for c in ev.items:
-            self._completions.append(c)
             span = int(c.finished_at_s // span_s)
-            self._num_completed[span] = self._num_completed.get(span, 0) + 1
+            if self.reads_lengths:
+                self._finished.setdefault(span, []).append((c.type_index, c.input_tokens, c.output_tokens))
+            if self.learning:
+                self._completions.append(c)
+                self._num_completed[span] = self._num_completed.get(span, 0) + 1
 
     def span_record(self, span_index: int, arrivals: int, arrivals_by_class: tuple[float, ...] = ()) -> SpanRecord:
         """What the replicas of the decision in force did since the last forecast event (their latest heartbeats
@@ -248,10 +261,15 @@ class SchedulerWorker(Worker):
         seen = self._arrivals.pop(span_index, [])
         for old in [s for s in self._arrivals if s < span_index]:
             del self._arrivals[old]
+        recent = RecentLengths(len(self.planner.class_names), self._recent_spans)
+        for span in range(span_index - self._recent_spans + 1, span_index + 1):
+            recent.add_span(self._finished.get(span, ()))
+        for old in [s for s in self._finished if s <= span_index - self._recent_spans]:
+            del self._finished[old]
         if not seen:
             return None
         offsets, classes = zip(*seen)
-        return ArrivalPattern(np.array(offsets), np.array(classes), self.config.span_s)
+        return ArrivalPattern(np.array(offsets), np.array(classes), self.config.span_s, recent.lengths())
 
     async def _on_forecast(self, ev: ForecastMade, msg: Msg) -> None:
         try:

@@ -4,7 +4,8 @@
 classifies each arrival once with the online estimator (`oserve.online_types.OnlineTypes`, copied
 from the prior fitted on history), counts arrivals per span by that class and keeps the last span's
 arrival pattern, learns the estimator from each span's completions (true lengths, known only now; at
-most `LEARN_PER_SPAN` of them, evenly spread, which bounds the cost of learning at high load), and
+most `LEARN_PER_SPAN` of them, evenly spread, which bounds the cost of learning at high load) and keeps
+them by class for the twin (`oserve.planner.twin.RecentLengths`), and
 routes by the one rule (`oserve.routing.least_loaded`) among the replicas the decision allows.
 Policies differ in how they decide, not in what they may see.
 """
@@ -26,7 +27,7 @@ from oserve.planner.oserve import OServePlanner
 from oserve.online_types import OnlineTypes
 from oserve.planner.prior import Prior, client_tag
 from oserve.planner.static import everywhere
-from oserve.planner.twin import ArrivalPattern
+from oserve.planner.twin import ArrivalPattern, RecentLengths, TwinConfig
 from oserve.routing import ReplicaLoad, beyond_plan, least_loaded
 from oserve.sim.kernel import ArrivalInfo, SpanView
 from oserve.specs import Deployment
@@ -46,10 +47,13 @@ class Gateway:
     (static, Llumnix, Dynamo), whose decisions do not depend on classes.
     """
 
-    def __init__(self, name: str, num_classes: int, estimator: OnlineTypes | None = None) -> None:
+    def __init__(self, name: str, num_classes: int, estimator: OnlineTypes | None = None,
+                 recent_spans: int = TwinConfig().recent_spans) -> None:
         self.name = name
         self.k = num_classes
         self.estimator = estimator
+        self.recent = RecentLengths(num_classes, recent_spans)
+        """What each class turned out to contain lately (completions by class at arrival), for the twin."""
         self._classes_seen: dict[tuple[int, int, int], int] = {}
         """(input, max tokens, client) -> class, as the estimator answers until it next learns (a span
         boundary): a cache, not knowledge; the answers are the estimator's own."""
@@ -106,8 +110,10 @@ class Gateway:
                 self.estimator.learn_one(c.input_tokens, c.output_tokens, tag=client_tag(c.client_id),
                                          max_tokens=c.max_tokens or None)
             self._classes_seen.clear()
+        self.recent.add_span((c.routed_class, c.input_tokens, c.output_tokens) for c in view.completed)
         counts = self._counts
-        pattern = ArrivalPattern(np.array(self._offsets), np.array(self._classes, dtype=np.int64), view.span_s)
+        pattern = ArrivalPattern(np.array(self._offsets), np.array(self._classes, dtype=np.int64), view.span_s,
+                                 self.recent.lengths())
         self._counts, self._offsets, self._classes = np.zeros(self.k), [], []
         self._span_start_s = view.now_s
         return counts, pattern
@@ -134,7 +140,8 @@ class OServePolicy(Gateway):
                  config: PlannerConfig = PlannerConfig(), name: str = "oserve", learn_capacity: bool = True,
                  learner: LearnerConfig = LearnerConfig(), guard: GuardConfig = GuardConfig(),
                  measured: tuple[MeasuredRun, ...] = ()) -> None:
-        super().__init__(name, len(prior.class_names), prior.fresh_estimator())
+        super().__init__(name, len(prior.class_names), prior.fresh_estimator(),
+                         (config.twin or TwinConfig()).recent_spans)
         self.adaptive = SelfCorrectingPlanner(ctx, config, learner, guard, prior.counts.sum(axis=0)) \
             if learn_capacity else None
         if self.adaptive is not None:

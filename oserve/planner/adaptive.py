@@ -384,8 +384,9 @@ class SelfCorrectingPlanner:
             current = replace(current, scored_rps=(), deferred_spans=0)  # rescore: the capacities changed
         self._scored_with = key
         demand = float(rates.sum())
+        measured = self.measured_best_p99()
         if current is None:
-            decision = self.planner.plan(rates, None, recent, span_s)
+            decision = self.planner.plan(rates, None, recent, span_s, measured)
             if self.verifying and not self._may_move_to(decision.deployment, demand):
                 back = self._measured_best(None, demand)
                 if back is not None:  # caught wrong on the history: start from what was measured best
@@ -400,12 +401,18 @@ class SelfCorrectingPlanner:
                 self.verifying = True
                 self.guard_events += 1
                 return self._guard_switch(current, back, rates, span_s)
-        decision = self.planner.plan(rates, current, recent, span_s)
+        decision = self.planner.plan(rates, current, recent, span_s, measured)
         if decision.label == "switch" and not self._may_move_to(decision.deployment, demand):
             a, n = served(self.ctx.table, current.deployment, rates)
             return Decision(current.deployment, weights_for(a, n), 0.0, tuple(rates), "held",
                             scored_rps=decision.scored_rps)
         return decision
+
+    def measured_best_p99(self) -> Deployment | None:
+        """The deployment with the lowest P99 measured on a whole run before the window (`seed`), among those
+        not distrusted; None when none was measured (`PlannerConfig.measured_bonus`)."""
+        known = [r for r in self.measured.values() if math.isfinite(r.p99_s) and not r.distrusted]
+        return min(known, key=lambda r: (r.p99_s, deployment_key(r.deployment))).deployment if known else None
 
     def _may_move_to(self, target: Deployment, demand: float) -> bool:
         """Whether a switch the planner chose is allowed: never back to a distrusted deployment while its

@@ -8,8 +8,10 @@ With the twin (the default):
    than `rescore_change` and twice Poisson noise) and that deployment serves it all, keep it and only
    re-route for the new rates ("reroute").
 2. Otherwise build candidates: the MILP's plan at each of `candidate_slacks`, the
-   `num_homogeneous_candidates` best homogeneous deployments for the mix, and what runs now; score each
-   on the digital twin (`oserve.planner.twin`: the last span's arrivals at the forecast's counts).
+   `num_homogeneous_candidates` best homogeneous deployments for the mix, what runs now, and the one
+   measured to serve best before the window when there is one; score each on the digital twin
+   (`oserve.planner.twin`: the last span's arrivals at the forecast's counts, each class's lengths what
+   it turned out to contain lately), the measured one `measured_bonus` lower.
 3. From the best, search deployments one move away by steepest descent on the twin
    (`oserve.planner.neighbours`), a move taken only when it scores `neighbour_min_gain` better and keeps
    about the candidates' headroom (`neighbour_capacity_slack`).
@@ -69,14 +71,15 @@ class OServePlanner:
         return self.ctx.class_names
 
     def plan(self, rates_rps: np.ndarray, current: Decision | None, recent: ArrivalPattern | None,
-             span_s: float) -> Decision:
+             span_s: float, measured: Deployment | None = None) -> Decision:
         """The decision for the coming span of `span_s` seconds, for per-class `rates_rps`, from the
-        decision in force (None before the first) and what arrived in the last span (None if unknown)."""
+        decision in force (None before the first), what arrived in the last span (None if unknown) and the
+        deployment measured to serve best before the window (None if none was: `PlannerConfig.measured_bonus`)."""
         rates = np.maximum(np.nan_to_num(np.asarray(rates_rps, dtype=float), nan=0.0, posinf=0.0), 0.0)
         if len(rates) != len(self.ctx.class_names):
             raise ConfigError(f"OServePlanner.plan: {len(rates)} rates for {len(self.ctx.class_names)} classes")
         if self.twin is not None:
-            return self._plan_by_twin(rates, current, recent, span_s)
+            return self._plan_by_twin(rates, current, recent, span_s, measured)
         return self._plan_by_model(rates, current, span_s)
 
     # --- with the twin ------------------------------------------------------------------------------
@@ -91,11 +94,12 @@ class OServePlanner:
         return Decision(old, weights_for(a, n), 0.0, tuple(rates), label, scored_rps=scored,
                         deferred_spans=deferred_spans)
 
-    def candidates(self, rates: np.ndarray, old: Deployment) -> list[Deployment]:
-        """Deployments worth scoring: what runs now, the MILP's at each candidate slack, and the best
-        homogeneous ones by modelled capacity for this mix (one of each shape multiset). Pure."""
+    def candidates(self, rates: np.ndarray, old: Deployment, measured: Deployment | None = None) -> list[Deployment]:
+        """Deployments worth scoring: what runs now, the one `measured` best before the window, the MILP's at
+        each candidate slack, and the best homogeneous ones by modelled capacity for this mix (one of each
+        shape multiset). Pure."""
         ctx, cfg = self.ctx, self.config
-        out: list[Deployment] = [old] if old.replicas else []
+        out: list[Deployment] = [d for d in (old, measured) if d is not None and d.replicas]
         for slack in sorted(set(cfg.candidate_slacks)):
             sc = replace(cfg.search_config, fewer_replicas_slack=slack)
             out.append(search(cfg.search, ctx.model, ctx.cluster, rates, ctx.table, config=sc).deployment)
@@ -112,7 +116,7 @@ class OServePlanner:
         return unique
 
     def _plan_by_twin(self, rates: np.ndarray, current: Decision | None, recent: ArrivalPattern | None,
-                      span_s: float) -> Decision:
+                      span_s: float, measured: Deployment | None = None) -> Decision:
         ctx, cfg = self.ctx, self.config
         assert self.twin is not None
         old = current.deployment if current else Deployment.empty()
@@ -135,13 +139,16 @@ class OServePlanner:
         # twin scorings left for this decision (the first decision, made before serving, has no limit)
         budget = [cfg.max_twin_scores if cfg.max_twin_scores is not None and current is not None else -1]
         scored = []
-        for i, dep in enumerate(self.candidates(rates, old)):
+        anchor = tuple(sorted(measured.shapes())) if measured is not None else None
+        for i, dep in enumerate(self.candidates(rates, old, measured)):
             if budget[0] == 0:
                 break
             budget[0] -= 1
             a, n = served(ctx.table, dep, rates)
             weights = weights_for(a, n)
             score = self.twin.score(dep, weights, rates, recent, long=current is None)
+            if tuple(sorted(dep.shapes())) == anchor:
+                score *= 1.0 - cfg.measured_bonus  # measured over a whole run, not scored on one span
             scored.append((score, i, dep, weights, a.peak_utilisation))
         best_score, _, best, best_weights, _ = min(scored, key=lambda x: (x[0], x[1]))
         if cfg.neighbour_steps > 0 and budget[0] != 0:

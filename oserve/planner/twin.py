@@ -6,8 +6,10 @@ percent (how many replicas pool the bursts, how fast each decodes a long answer)
 tell them apart from the table, so it asks the simulator: each candidate serves a synthetic span made
 only of what the planner knows — the arrival times and classes the gateway saw in the last span (at
 the forecast's counts; Poisson arrivals when there is no such span), each class's lengths drawn from
-the length samples the planner was given (what requests of that class turned out to be, measured on
-completions before the window served) — with the routing rule every plan is served with
+what requests of that class turned out to be: the requests of that class that finished in the last
+`TwinConfig.recent_spans` spans when there are at least `TwinConfig.min_recent_lengths` of them
+(`RecentLengths`), else the length samples the planner was given (measured on completions before the
+window served) — with the routing rule every plan is served with
 (`oserve.routing.least_loaded`), and the candidate with the shortest tail wins: the mean end-to-end
 latency of the slowest 2% of the requests arriving after a warm-up (the P99 region, steadier than one
 order statistic of one span).
@@ -20,7 +22,8 @@ Deterministic: the synthetic span is drawn from a fixed seed, and every candidat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +46,9 @@ class ArrivalPattern:
     offsets_s: np.ndarray
     classes: np.ndarray
     span_s: float = SPAN_S
+    lengths: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    """Per class, the (input, output) lengths of the requests given that class at arrival that finished
+    lately (`RecentLengths.lengths`); empty: none known."""
 
     def __post_init__(self) -> None:
         offsets = np.asarray(self.offsets_s, dtype=np.float64)
@@ -51,11 +57,50 @@ class ArrivalPattern:
             raise ConfigError("ArrivalPattern: offsets_s and classes must be 1-D of equal length")
         if not self.span_s > 0:
             raise ConfigError(f"ArrivalPattern: span_s must be positive, got {self.span_s}")
+        lengths = []
+        for inputs, outputs in self.lengths:
+            inputs, outputs = np.asarray(inputs, dtype=np.int64), np.asarray(outputs, dtype=np.int64)
+            short = len(inputs) > 0 and min(int(inputs.min()), int(outputs.min())) < 1
+            if inputs.shape != outputs.shape or inputs.ndim != 1 or short:
+                raise ConfigError("ArrivalPattern: each class's lengths must be 1-D inputs and outputs of equal "
+                                  "length, every one at least 1 token")
+            lengths.append((inputs, outputs))
         object.__setattr__(self, "offsets_s", offsets)
         object.__setattr__(self, "classes", classes)
+        object.__setattr__(self, "lengths", tuple(lengths))
 
     def __len__(self) -> int:
         return len(self.offsets_s)
+
+
+class RecentLengths:
+    """What each class turned out to contain lately: the (input, output) lengths of the requests given each
+    class at arrival that finished in the last `spans` spans (completions, whose lengths are known now).
+
+    Completions by finish time, not the arrivals of a span that have finished: in a steady mix every request
+    finishes, so what finishes in a window is a sample of what arrives (lagged by the answers' length),
+    while the arrivals of the last span that have finished so far are the short ones. The simulator's
+    gateway and the live scheduler keep one each, fed at every span boundary."""
+
+    def __init__(self, num_classes: int, spans: int) -> None:
+        if num_classes < 1 or spans < 1:
+            raise ConfigError(f"RecentLengths: need num_classes >= 1 and spans >= 1, got {num_classes}, {spans}")
+        self.k = num_classes
+        self._spans: deque[list[tuple[int, int, int]]] = deque(maxlen=spans)
+
+    def add_span(self, completed: Iterable[tuple[int, int, int]]) -> None:
+        """One span's completions as (class at arrival, input tokens, output tokens); the oldest span is
+        forgotten beyond `spans`. A class outside 0..k-1 (unclassed) or a length below 1 is left out."""
+        self._spans.append([(int(c), int(i), int(o)) for c, i, o in completed if 0 <= c < self.k and i >= 1 and o >= 1])
+
+    def lengths(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """Per class, (inputs, outputs) of what it kept, oldest span first (`ArrivalPattern.lengths`)."""
+        pairs: list[tuple[list[int], list[int]]] = [([], []) for _ in range(self.k)]
+        for span in self._spans:
+            for c, i, o in span:
+                pairs[c][0].append(i)
+                pairs[c][1].append(o)
+        return tuple((np.array(i, dtype=np.int64), np.array(o, dtype=np.int64)) for i, o in pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +123,12 @@ class TwinConfig:
     """Length of the Poisson span that scores the first deployment (no observed span yet)."""
     initial_max_num_requests: int = 30000
     """Cap on that span's requests (it is shortened beyond it)."""
+    recent_spans: int = 2
+    """Spans of completions kept per class for the lengths (`RecentLengths`): two, so a class whose answers
+    run longer than a span is seen finishing too."""
+    min_recent_lengths: int = 20
+    """A class's lengths are drawn from its recent completions when it has at least this many, else from the
+    planner's samples (measured before the window). Set once, not tuned."""
     sim: SimConfig = field(default_factory=lambda: SimConfig(span_s=1e9, horizon_after_last_arrival_s=600.0))
 
     def __post_init__(self) -> None:
@@ -86,6 +137,9 @@ class TwinConfig:
         if not self.horizon_s > self.warmup_s >= 0 or not self.initial_horizon_s > self.warmup_s:
             raise ConfigError(f"TwinConfig: need horizon_s and initial_horizon_s > warmup_s >= 0, got "
                               f"{self.horizon_s}, {self.initial_horizon_s}, {self.warmup_s}")
+        if self.recent_spans < 1 or self.min_recent_lengths < 1:
+            raise ConfigError(f"TwinConfig: recent_spans and min_recent_lengths must be >= 1, got "
+                              f"{self.recent_spans}, {self.min_recent_lengths}")
         if self.max_num_requests < 10 or self.initial_max_num_requests < 10:
             raise ConfigError(f"TwinConfig: max_num_requests and initial_max_num_requests must be >= 10, got "
                               f"{self.max_num_requests}, {self.initial_max_num_requests}")
@@ -128,7 +182,9 @@ class DigitalTwin:
         arrival times (resampled with replacement to the forecast's count when that differs), so the
         burstiness the gateway saw is replayed, after its own last `config.replay_warmup_s` seconds that
         warm the replicas up. Without it, Poisson arrivals over `config.horizon_s` (`config.initial_horizon_s` when
-        `long`: the first deployment has no observed span to go by and is the costliest to change).
+        `long`: the first deployment has no observed span to go by and is the costliest to change). Lengths
+        come from `pattern.lengths` for a class with at least `config.min_recent_lengths` recent completions,
+        else from the planner's samples of the class.
         """
         rates = np.maximum(np.asarray(rates, dtype=float), 0.0)
         rng = np.random.default_rng(self.config.seed)
@@ -172,12 +228,18 @@ class DigitalTwin:
             warm = min(self.config.warmup_s, seconds / 3.0)
         inp = np.zeros(len(arrival), dtype=np.int64)
         out = np.zeros(len(arrival), dtype=np.int64)
+        recent = pattern.lengths if pattern is not None else ()
         for j in range(len(rates)):
             sel = np.nonzero(kind == j)[0]
-            if len(sel):
+            if not len(sel):
+                continue
+            if j < len(recent) and len(recent[j][0]) >= self.config.min_recent_lengths:
+                inputs, outputs = recent[j]  # what the class turned out to contain lately
+                pick = rng.integers(0, len(inputs), size=len(sel))
+            else:
                 inputs, outputs, weights = self._lengths[j]
                 pick = rng.choice(len(inputs), size=len(sel), p=weights / weights.sum())
-                inp[sel], out[sel] = inputs[pick], outputs[pick]
+            inp[sel], out[sel] = inputs[pick], outputs[pick]
         order = np.argsort(arrival, kind="stable")
         return Trace(arrival[order], inp[order], out[order], name="twin"), kind[order].astype(np.int64), warm
 
