@@ -257,7 +257,10 @@ class SchedulerWorker(Worker):
             self._arrivals.setdefault(span, []).append((a.at_s - span * span_s, a.type_index))
 
     def pattern(self, span_index: int) -> ArrivalPattern | None:
-        """What arrived in span `span_index` (forgetting it and anything older); None if nothing did."""
+        """What arrived in span `span_index` (forgetting it and anything older), with the lengths of what each
+        class contained among the requests that finished in the last `TwinConfig.recent_spans` spans up to it
+        (forgetting older ones); None if nothing arrived (the twin then plays Poisson arrivals with the
+        lengths measured before serving)."""
         seen = self._arrivals.pop(span_index, [])
         for old in [s for s in self._arrivals if s < span_index]:
             del self._arrivals[old]

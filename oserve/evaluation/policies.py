@@ -4,9 +4,9 @@
 classifies each arrival once with the online estimator (`oserve.online_types.OnlineTypes`, copied
 from the prior fitted on history), counts arrivals per span by that class and keeps the last span's
 arrival pattern, learns the estimator from each span's completions (true lengths, known only now; at
-most `LEARN_PER_SPAN` of them, evenly spread, which bounds the cost of learning at high load) and keeps
-them by class for the twin (`oserve.planner.twin.RecentLengths`), and
-routes by the one rule (`oserve.routing.least_loaded`) among the replicas the decision allows.
+most `LEARN_PER_SPAN` of them, evenly spread, which bounds the cost of learning at high load), keeps
+all of them by class at arrival for the twin (`oserve.planner.twin.RecentLengths`), and routes by the
+one rule (`oserve.routing.least_loaded`) among the replicas the decision allows.
 Policies differ in how they decide, not in what they may see.
 """
 
