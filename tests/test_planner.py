@@ -408,7 +408,7 @@ def test_a_deferred_switch_counts_its_spans_even_when_the_forecast_moves(prior16
     assert np.abs(moved - rates).sum() / rates.sum() > max(planner.config.rescore_change,
                                                            2 * poisson_l1_noise(len(rates), rates.sum() * 60.0))
     # the twin still prefers `best` by far: the planner wants the switch it put off
-    planner.candidates = lambda r, o: [old, best]
+    planner.candidates = lambda r, o, m=None: [old, best]
     planner.twin.score = lambda dep, *a, **kw: 1.0 if dep is best else 10.0
     held = []
     real = planner._switch
