@@ -69,10 +69,10 @@ class PlannerConfig:
     measured_bonus: float = 0.0
     """Tuned. The deployment measured to serve best on whole runs before the window (the static candidates
     on the history, `oserve.planner.adaptive.SelfCorrectingPlanner`; none live unless seeded) is always a
-    candidate, and its twin score counts this fraction lower: it was measured over a whole run, the others
-    scored on one synthetic span, which flatters them (S5 on the history: the twin prefers 4 x TP4, the
-    runs measured 2 x TP4xPP2 1.04x faster). Searched on the tuning set over 0, 0.05, 0.1 and 0.2: a
-    candidate with no bonus was best there; a bonus gave up heterogeneous plans that gained."""
+    candidate, its twin score counted this fraction lower. The case for a bonus: it was measured over a
+    whole run, the others are scored on one synthetic span. The case against, which the tuning set
+    decided: searched over 0, 0.05, 0.1 and 0.2, no bonus was best there; a bonus held OServe on the
+    measured shape where a heterogeneous plan gained."""
     min_served_gain_frac: float = 0.01
     """Capacity model only: switch to serve more only when the new plan serves this fraction more."""
     busy_peak_utilisation: float = 0.8
