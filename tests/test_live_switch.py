@@ -11,6 +11,7 @@ this test runs it and checks what it measured. Needs vLLM (the README's test com
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -27,6 +28,10 @@ if not vllm_available():
     pytest.skip("OSERVE_SKIP_VLLM is set and vLLM is not installed", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
+ANSWER_TOKENS = 256
+"""Long enough that requests running at the flip are still mid-answer when their replica retires, though the
+host's three engines and this process share two cores. At 128, once in four CI runs every request running at
+the flip had finished in place by the time its replica retired (the cause was not pinned down)."""
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +41,14 @@ def server():
 
 async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and_requests_migrated(server, tmp_path):
     cfg = LiveBenchConfig(models=(TINY_MODEL,), model_dir=str(tmp_path), pipeline_dtype="float32")
-    r = await pipeline_switch(cfg, nats_url=server.url)
+    r = await pipeline_switch(cfg, nats_url=server.url, answer_tokens=ANSWER_TOKENS)
+    # the whole story, should a check fail (a string: pytest shows it whole)
+    story = json.dumps({k: r.get(k) for k in ("at_flip", "client_resent", "stale_copies_dropped", "migrated_tokens",
+                                              "sent", "answered", "answered_twice", "errors", "timeline")})
     assert r["completed"], r["rolled_back_reason"]
     assert r["bad_messages"] == 0  # every command and event on the bus was understood
     # every request answered exactly once; nothing failed or lost
-    assert r["failed"] == 0 and r["lost"] == 0 and r["answered"] == r["sent"] and r["answered_twice"] == 0, r["errors"]
+    assert r["failed"] == 0 and r["lost"] == 0 and r["answered"] == r["sent"] and r["answered_twice"] == 0, story
     # the new replica got exactly the plan's bytes, verified, from the serving engines; its engine start is most
     # of the switch
     assert r["moved_bytes"] == r["plan_bytes"] > 0
@@ -49,11 +57,10 @@ async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and
     assert r["retired"] == ["a", "b"] and r["serving_after"] == ["t"]
     assert r["flip_s"] is not None and 0 <= r["flip_s"] < 5
     # requests running at the flip migrated mid-answer, and their answers are the answers without a switch
-    assert r["migrated"] >= 1, ("no request was running on the old replicas when they retired",
-                                r.get("at_flip"), r["timeline"])
+    assert r["migrated"] >= 1, "no request was running on the old replicas when they retired: " + story
     assert r["gateway_migrated"] == r["migrated"]
     # one dispatched just before the flip may have no token yet (it starts over on the new replica); at least one
     # was mid-answer
-    assert all(0 <= n < 128 for n in r["migrated_tokens"]) and any(n > 0 for n in r["migrated_tokens"]), (
-        "no migrated request was mid-answer", r["migrated_tokens"], r.get("at_flip"), r["timeline"])
+    assert all(0 <= n < ANSWER_TOKENS for n in r["migrated_tokens"]) and any(n > 0 for n in r["migrated_tokens"]), (
+        "no migrated request was mid-answer: " + story)
     assert r["migrated_token_exact"]

@@ -92,6 +92,45 @@ async def test_running_requests_migrate_and_are_answered_once_with_their_whole_a
         await wait_until(lambda: not gw.pending, 5, "the gateway to forget every answered request")
 
 
+async def test_a_copy_of_a_handed_over_request_that_reaches_the_old_replica_late_is_not_served_again(server) -> None:
+    """A client's retry that its gateway forwarded to the old replica before it heard of the hand-over reaches
+    the old replica after the request left it: the new replica answers it, the old one drops the copy."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=5.0)
+        old, new = engines
+        finals: dict[str, int] = {}
+
+        async def on_answer(msg) -> None:
+            ans = decode_reply(msg.data)
+            if isinstance(ans, Reply):
+                finals[ans.request_id] = finals.get(ans.request_id, 0) + 1
+        await nc.subscribe("_INBOX.>", cb=on_answer)
+        sent: list = []  # the dispatches the old replica received, as they went on the wire
+
+        async def on_dispatch(msg) -> None:
+            sent.append((msg.data, msg.reply))
+        await nc.subscribe(subjects.replica(old.config.replica_id), cb=on_dispatch)
+
+        async def flip(to: str) -> None:
+            await nc.publish(subjects.plan_event("assignment"), encode(AssignmentSet(strategy_id=to, weights=[{to: 1.0}])))
+            await wait_until(lambda: gw.strategy_id == to, 5, f"the router to follow {to}")
+        await flip(old.config.replica_id)
+        tasks = [asyncio.create_task(client.submit(prompt=f"request {i} " * 20, max_tokens=400, sim_output_tokens=400,
+                                                   request_id=f"c{i}")) for i in range(2)]
+        await wait_until(lambda: old.num_inflight == 2 and all(
+            old.backend.generated_tokens(s, old.clock.now_s()) > 0 for s in old._inflight), 10,
+            "both requests to run on the old replica, mid-answer")
+        await flip(new.config.replica_id)
+        await old.drain_migrating(0.0)
+        assert old.num_migrated == 2
+        data, reply = next((d, r) for d, r in sent if decode(d, Dispatch).request_id == "c0")
+        await nc.publish(subjects.replica(old.config.replica_id), data, reply=reply)  # the late copy
+        answers = await asyncio.gather(*tasks)
+        await asyncio.sleep(0.5)  # a second answer, were there one, would have come by now
+        assert old.num_stale_handed == 1 and old.num_inflight == 0
+        assert [a.replica_id for a in answers] == [new.config.replica_id] * 2 and finals == {"c0": 1, "c1": 1}
+
+
 def test_a_dispatch_carries_its_resume_through_the_wire_format():
     d = Dispatch(request_id="x", input_tokens=5, max_tokens=9, type_index=0, gateway_id="g",
                  resume=Resume(num_tokens=3, token_ids=[7, 8, 9], text=" a b c", sent_tokens=2, sent_chars=4,

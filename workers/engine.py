@@ -27,8 +27,10 @@
   freed), its client first gets every token generated so far, and `Completed.migrated` carries the token
   ids, the text and what the client was sent; the gateway dispatches it to a new replica with
   `Dispatch.resume`, which prefills the prompt plus those tokens, generates the rest and streams on from
-  where the client stands. The answer comes once, from the new replica; with greedy sampling on replicas
-  that compute alike it is token for token the answer without a switch (`tests/test_live_switch.py`).
+  where the client stands. The answer comes once, from the new replica: a copy of a handed-over request that
+  reaches the retiring replica afterwards without a resume (a client's retry its gateway forwarded before it
+  heard of the hand-over) is dropped there. With greedy sampling on replicas that compute alike it is token
+  for token the answer without a switch (`tests/test_live_switch.py`).
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`, with the load and the backend's cumulative
   busy and saturated seconds (what the scheduler learns capacity from); load and latency as `Telemetry`
   every `telemetry_interval_s` of clock time.
@@ -73,6 +75,8 @@ from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
 
 log = logging.getLogger(__name__)
+MAX_HANDED_KEYS = 100_000
+"""Requests handed over in a switch whose later copies a retiring replica recognises (and drops), at most."""
 CONFIRM_WAIT_WALL_S = 3600.0
 """How long a heartbeat's confirmation (a flush) may wait for its PONG: in effect forever, as giving up on one
 would stop the connection's reading (`EngineWorker._heartbeat_loop`); a stall is judged by `_stalled` meanwhile."""
@@ -213,6 +217,9 @@ class EngineWorker(Worker):
         self.num_overloaded = 0
         self.num_fenced = 0  # times this replica fenced itself after a stall
         self.num_migrated = 0  # requests handed over mid-answer to a switch's new replicas
+        self.num_stale_handed = 0  # copies of handed-over requests that came after the hand-over, dropped
+        # dedupe keys of the requests handed over (`_migrate`), the last MAX_HANDED_KEYS
+        self._handed_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._migrate_after_wall_s: float | None = None  # set by `drain_migrating`
         self._window_e2e: list[float] = []
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline_unix_s, seq) of in-flight requests
@@ -337,6 +344,12 @@ class EngineWorker(Worker):
                 item = self._inflight[self._by_id[key]]
                 if msg.reply != item.reply and msg.reply not in item.also_reply:
                     item.also_reply.append(msg.reply)  # a retry from a new inbox: answer it too, once
+            return
+        if d.resume is None and key in self._handed_keys:
+            # a copy of a request this replica handed over, sent before its gateway heard of the hand-over (a
+            # client's retry the gateway forwarded here): the new replica answers it on the same inbox, with
+            # what it generated here; serving it again here would answer it twice
+            self.num_stale_handed += 1
             return
         if d.deadline_unix_s is not None and time.time() >= d.deadline_unix_s:
             self.num_expired += 1
@@ -467,6 +480,9 @@ class EngineWorker(Worker):
             # out of flight before anything is awaited: from here on nothing answers it on this replica
             self._inflight.pop(job.seq, None)
             self._by_id.pop(item.key, None)
+            self._handed_keys[item.key] = None
+            while len(self._handed_keys) > MAX_HANDED_KEYS:
+                self._handed_keys.popitem(last=False)
             chunk = None
             if job.seq in self._streams and tokens > item.sent_tokens:  # the client gets all of it before it moves
                 chunk = ReplyChunk(request_id=job.request_id, replica_id=self.config.replica_id, index=item.num_chunks,

@@ -355,6 +355,7 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
     nc = await nats.connect(nats_url or server.url)
     stop: list = []
     in_flight: list[int] = []  # requests being answered now (the load below keeps it up)
+    engines: dict = {}  # every engine that served, retired ones too (their counters)
     try:
         subjects = unique_subjects("bench")
         clock = Clock(speedup=1.0)
@@ -366,8 +367,12 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
                 return
             timeline.add(type(ev).__name__, msgspec.structs.asdict(ev))
             if isinstance(ev, AssignmentSet) and ev.strategy_id == "s2":  # what ran where when the router flipped
+                now_s = clock.now_s()
+                engines.update(host.engines)
                 out["at_flip"] = {"client_in_flight": in_flight[0] if in_flight else None,
-                                  "engines": {rid: {"in_flight": e.num_inflight, "stalled": e._stalled()}
+                                  "engines": {rid: {"in_flight": e.num_inflight, "stalled": e._stalled(),
+                                                    "generated": sorted(e.backend.generated_tokens(q, now_s)
+                                                                        for q in e._inflight)}
                                               for rid, e in sorted(host.engines.items())}}
 
         async def on_completed(msg) -> None:
@@ -468,6 +473,7 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
         t_ready = timeline.first("ReplicaReady", strategy_id="s2", replica_id="t")
         t_flip = timeline.first("AssignmentSet", strategy_id="s2")
         lat = sorted(latency.values())
+        engines.update(host.engines)
         plan = plan_switch(model, cluster_for_gpus(2), deployment_of(pair), deployment_of(tp2),
                            config=SwitchConfig(remap=False))
         out.update({
@@ -475,6 +481,8 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
             "sent": len(sent), "answered": len(answers), "answered_twice": client.num_duplicates,
             "failed": len(errors), "errors": errors[:5], "lost": len(sent) - len(answers) - len(errors),
             "migrated": len(migrated), "gateway_migrated": gw.num_migrated,
+            "client_resent": client.num_resent + client.num_unaccepted_resent,
+            "stale_copies_dropped": sum(e.num_stale_handed for e in engines.values()),
             "migrated_tokens": sorted(m.resume.num_tokens for m in migrated),
             "migrated_token_exact": [a.text for a in again] == [answers[i].text for i in resumed],
             "moved_bytes": done[2].get("moved_bytes", 0),
