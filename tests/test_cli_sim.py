@@ -134,6 +134,12 @@ def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
             fewer = row["finished"]["oserve"] < row["finished"][k]
             assert v == pytest.approx(min(ratio, 1.0) if fewer else ratio)
         assert row["oserve_decide_s"]["count"] >= 1 and row["bound_p99_s"] <= row["p99"]["oserve"]
+        # the noise of the ratio to static: on the whole window it is the P99 ratio (uncapped)
+        noise = row["static_noise"]
+        assert noise["ratio"] == pytest.approx(row["p99"]["vllm-static"] / row["p99"]["oserve"])
+        assert noise["low"] <= noise["high"] and noise["num_blocks"] >= 1
+    assert result["worse_than_static_beyond_noise"] == [r["name"] for r in result["scenarios"]
+                                                        if r["static_noise"]["high"] < 1]
     assert result["oserve_decide_s"]["count"] == sum(r["oserve_decide_s"]["count"] for r in result["scenarios"])
     assert set(result["mean_speedup_p99"]) == {*BASELINES, "perfect-forecast"}
     assert set(result["cv_rank_correlation"]) == set(BASELINES)

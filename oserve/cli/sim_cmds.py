@@ -242,12 +242,18 @@ def _mean(values: list[float]) -> tuple[float, float]:
 def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | None,
              console: Console | None) -> dict:
     """One scenario of bench e2e: every policy's figures and OServe's speedups (a picklable dict)."""
+    from oserve.evaluation.noise import p99_ratio_interval
     from oserve.evaluation.registry import POLICY_NAMES
 
     began = time.perf_counter()
     scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
     res = comparison.results
     spans = [s for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
+    ours, static = res["oserve"], res["vllm-static"]
+    # the same requests on both sides (every policy admits the same ones): the ratio's spread over the window's
+    # minutes (`oserve.evaluation.noise`)
+    noise = p99_ratio_interval(ours.arrival_s[ours.admitted], ours.e2e_s[ours.admitted],
+                               static.e2e_s[static.admitted])
     return {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.window),
             "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
             "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
@@ -256,6 +262,7 @@ def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | N
             "refused": int(res["oserve"].refused.sum()),
             "throughput": {k: r.throughput_rps for k, r in res.items()},
             "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
+            "static_noise": noise.as_dict(),
             "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
             "oserve_decide_s": {**_order_stats([s["decide_s"] for s in spans]),
                                 "all": [s["decide_s"] for s in spans], "labels": [s["label"] for s in spans]},
@@ -353,6 +360,8 @@ def bench_e2e(
                                   for k in compared},
               "min_speedup_p99": {k: min((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
                                   for k in compared},
+              # OServe slower than vllm-static on the whole of the ratio's bootstrap interval (`static_noise`)
+              "worse_than_static_beyond_noise": [r["name"] for r in rows if r["static_noise"]["high"] < 1.0],
               "cv_rank_correlation": {k: _rank_correlation([r["cv"] for r in rows],
                                                            [r["speedup_p99"].get(k, math.nan) for r in rows])
                                       for k in BASELINES}}
@@ -365,13 +374,19 @@ def bench_e2e(
         return
     t = Table(title="OServe's P99 end-to-end speedup over each policy (>1: OServe better; perfect-forecast is a "
                     "reference, its column the gap to it)")
-    for c in ("scenario", "CV", *compared, "bound/OServe"):
+    level = rows[0]["static_noise"]["level"] if rows else 0.9
+    for c in ("scenario", "CV", *compared, f"vllm-static {level:.0%} interval", "bound/OServe"):
         t.add_column(c, justify="right")
     for r in rows:
         gap = r["bound_p99_s"] / r["p99"]["oserve"] if r["p99"]["oserve"] else math.nan
-        t.add_row(r["name"], f"{r['cv']:.2f}", *(_fmt(r["speedup_p99"].get(k, math.nan)) for k in compared), _fmt(gap))
-    t.add_row("mean", "", *(_fmt(result["mean_speedup_p99"][k]) for k in compared), "")
+        n = r["static_noise"]
+        t.add_row(r["name"], f"{r['cv']:.2f}", *(_fmt(r["speedup_p99"].get(k, math.nan)) for k in compared),
+                  f"{_fmt(n['low'])}-{_fmt(n['high'])}", _fmt(gap))
+    t.add_row("mean", "", *(_fmt(result["mean_speedup_p99"][k]) for k in compared), "", "")
     out_console().print(compact(t))
+    worse = result["worse_than_static_beyond_noise"]
+    out_console().print(f"worse than vllm-static beyond noise (the whole interval below 1; a block bootstrap over "
+                        f"the window's minutes): {', '.join(worse) if worse else 'none'}")
     d = result["oserve_decide_s"]
     out_console().print(f"{len(rows)} scenarios in {result['seconds'] / 60:.1f} min ({workers} processes); OServe's "
                         f"decisions: median {_fmt(d['median'])} s, P90 {_fmt(d['p90'])} s, max {_fmt(d['max'])} s; "

@@ -9,5 +9,6 @@ timer handed in, no files but the traces named).
 - `registry`: every policy by name, with what it is.
 - `compare`: every policy on one scenario; speedups that never reward serving fewer requests.
 - `bounds`, `ceiling`: a true lower bound on P99, and the best fixed deployment.
+- `noise`: how much of a P99 ratio is the window's draw (a paired block bootstrap over its minutes).
 - `tuning`: thresholds tuned on one set of scenarios, reported on another.
 """
