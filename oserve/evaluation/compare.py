@@ -69,16 +69,20 @@ class EvalConfig:
         resolve_name(self.forecaster)
 
 
+def latency_ratio(reference: float, other: float) -> float:
+    """`other / reference` for two latency percentiles where inf is "too few finished": both inf a tie, an
+    infinite reference 0, an infinite other inf. Pure."""
+    if math.isinf(reference):
+        return 1.0 if math.isinf(other) else 0.0
+    if math.isinf(other):
+        return math.inf
+    return other / reference
+
+
 def speedup(reference: SimResult, other: SimResult) -> float:
-    """`other`'s P99 end-to-end latency over `reference`'s (> 1: the reference is faster), capped at 1
-    when the reference finished fewer requests: serving fewer is never reported as faster. Pure."""
-    ref, oth = reference.percentile("e2e", 99), other.percentile("e2e", 99)
-    if math.isinf(ref):
-        ratio = 1.0 if math.isinf(oth) else 0.0
-    elif math.isinf(oth):
-        ratio = math.inf
-    else:
-        ratio = oth / ref
+    """`other`'s P99 end-to-end latency over `reference`'s (> 1: the reference is faster; `latency_ratio`),
+    capped at 1 when the reference finished fewer requests: serving fewer is never reported as faster. Pure."""
+    ratio = latency_ratio(reference.percentile("e2e", 99), other.percentile("e2e", 99))
     if reference.finished.sum() < other.finished.sum():
         ratio = min(ratio, 1.0)
     return ratio

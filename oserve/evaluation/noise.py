@@ -13,18 +13,18 @@ request's latency belongs to the minute it arrived in (a queue that spans two mi
 them). The interval is the percentile interval of the resampled ratios; with a few dozen minutes it is
 a measure of spread, not a calibrated confidence interval.
 
-A ratio is `other / reference` (as `compare.speedup`: > 1, the reference is faster). Latencies are the
+A ratio is `other / reference` (`compare.latency_ratio`: > 1, the reference is faster). Latencies are the
 admitted requests', inf for one that never finished (`oserve.sim.kernel.latency_percentile`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from oserve.errors import ConfigError
+from oserve.evaluation.compare import latency_ratio
 from oserve.sim.kernel import latency_percentile
 
 
@@ -50,15 +50,6 @@ class RatioInterval:
     def as_dict(self) -> dict:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "level": self.level,
                 "num_blocks": self.num_blocks, "resamples": self.resamples}
-
-
-def _ratio(reference: float, other: float) -> float:
-    """`other / reference`, with both infinite (neither finished enough) a tie and an infinite reference 0."""
-    if math.isinf(reference):
-        return 1.0 if math.isinf(other) else 0.0
-    if math.isinf(other):
-        return math.inf
-    return other / reference
 
 
 def blocks_of(arrival_s: np.ndarray, block_s: float) -> list[np.ndarray]:
@@ -96,9 +87,8 @@ def p99_ratio_interval(arrival_s: np.ndarray, reference_s: np.ndarray, other_s: 
     ratios = np.empty(resamples)
     for i, row in enumerate(picks):
         idx = np.concatenate([blocks[b] for b in row])
-        ratios[i] = _ratio(latency_percentile(reference_s[idx], q), latency_percentile(other_s[idx], q))
-    low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2], method="linear") \
-        if np.isfinite(ratios).all() else np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2], method="higher")
-    whole = _ratio(latency_percentile(reference_s, q), latency_percentile(other_s, q))
-    return RatioInterval(ratio=whole, low=float(low), high=float(high), level=level, num_blocks=len(blocks),
-                         resamples=resamples)
+        ratios[i] = latency_ratio(latency_percentile(reference_s[idx], q), latency_percentile(other_s[idx], q))
+    # an infinite ratio (the other side finished too few) ranks as the latencies' unfinished do
+    low, high = (latency_percentile(ratios, 100 * p) for p in ((1 - level) / 2, (1 + level) / 2))
+    whole = latency_ratio(latency_percentile(reference_s, q), latency_percentile(other_s, q))
+    return RatioInterval(ratio=whole, low=low, high=high, level=level, num_blocks=len(blocks), resamples=resamples)
