@@ -305,6 +305,34 @@ def test_queues_from_a_mix_the_forecast_missed_are_not_held_against_the_model(in
                            decision).underserved  # without the arrivals per class, judged as before
 
 
+def test_the_span_a_deployment_was_switched_in_at_judges_nothing(inputs) -> None:
+    """A replica far slower than the model expects underserves, except in the span its deployment was switched
+    in at (the decision in force moved replicas: `switch_s` > 0), when the replicas that stayed carried the
+    share of those still switching. That span counts neither as underserved nor as clean; the next one is
+    judged as any other."""
+    from dataclasses import replace as dc_replace
+
+    from oserve.decision import Decision
+    from oserve.planner.adaptive import deployment_key
+    from oserve.planner.candidates import homogeneous_deployment
+
+    planner = fresh_planner(inputs)
+    table = planner.ctx.table
+    two = homogeneous_deployment(planner.ctx.cluster, TP1)
+    k = len(planner.class_names)
+    n0 = table.rate(TP1, 0)
+    weights = tuple(tuple([0.3 * n0, 0.3 * n0] if j == 0 else [0.0, 0.0]) for j in range(k))
+    switched = Decision(two, weights, switch_s=8.0, forecast_rps=tuple(sum(w) for w in weights), label="switch")
+    slow = ReplicaWindow(TP1, (0.0,) * k, SPAN_S, 0.0, tpot_s=1.0)
+    span = SpanRecord((slow,), 0.6 * n0 * SPAN_S, 0.0, SPAN_S, waiting_growth=0.0,
+                      arrivals_by_class=tuple(0.6 * n0 * SPAN_S if j == 0 else 0.0 for j in range(k)))
+    assert not planner.observe(span, switched).underserved
+    record = planner.measured[deployment_key(two)]
+    assert record.spans == record.underserved_spans == 0 and record.best_clean_demand_rps == 0.0
+    assert planner.observe(span, dc_replace(switched, switch_s=0.0, label="reroute")).underserved
+    assert record.spans == record.underserved_spans == 1
+
+
 def test_the_guard_routes_a_spans_arrivals_as_the_router_does(inputs) -> None:
     """`SelfCorrectingPlanner._given_rates`: every class's arrivals are all given to some replica; a class
     within its plan goes exactly as the plan's weights split it; a class beyond it (or with no plan) sends
