@@ -138,8 +138,17 @@ def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
         noise = row["static_noise"]
         assert noise["ratio"] == pytest.approx(row["p99"]["vllm-static"] / row["p99"]["oserve"])
         assert noise["low"] <= noise["high"] and noise["num_blocks"] >= 1
+        # and against every other policy, the same way
+        assert set(row["noise"]) == set(POLICY_NAMES) - {"oserve"} and row["noise"]["vllm-static"] == noise
+        for k, n in row["noise"].items():
+            assert n["ratio"] == pytest.approx(row["p99"][k] / row["p99"]["oserve"]) and n["low"] <= n["high"]
     assert result["worse_than_static_beyond_noise"] == [r["name"] for r in result["scenarios"]
                                                         if r["static_noise"]["high"] < 1]
+    assert set(result["beyond_noise"]) == {*BASELINES, "perfect-forecast"}
+    for k, v in result["beyond_noise"].items():
+        assert v["better"] == [r["name"] for r in result["scenarios"] if r["noise"][k]["low"] > 1]
+        assert v["worse"] == [r["name"] for r in result["scenarios"] if r["noise"][k]["high"] < 1]
+    assert result["beyond_noise"]["vllm-static"]["worse"] == result["worse_than_static_beyond_noise"]
     assert result["oserve_decide_s"]["count"] == sum(r["oserve_decide_s"]["count"] for r in result["scenarios"])
     assert set(result["mean_speedup_p99"]) == {*BASELINES, "perfect-forecast"}
     assert set(result["cv_rank_correlation"]) == set(BASELINES)

@@ -111,7 +111,9 @@ def test_an_unfinished_tail_on_one_side_is_worse_beyond_noise():
     ref[rng.random(3000) < 0.05] = math.inf  # 5% never finished: its P99 is inf on every resample
     other = rng.gamma(2.0, 5.0, 3000)
     r = p99_ratio_interval(arrival, ref, other)
-    assert r.ratio == 0.0 and r.worse_beyond_noise
+    assert r.ratio == 0.0 and r.worse_beyond_noise and not r.better_beyond_noise
+    flipped = p99_ratio_interval(arrival, other, ref)  # the other way round: the unfinished side is the other
+    assert flipped.ratio == math.inf and flipped.better_beyond_noise and not flipped.worse_beyond_noise
 
 
 def test_bad_input_names_the_problem():

@@ -249,11 +249,11 @@ def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | N
     scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
     res = comparison.results
     spans = [s for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
-    ours, static = res["oserve"], res["vllm-static"]
-    # the same requests on both sides (every policy admits the same ones): the ratio's spread over the window's
-    # minutes (`oserve.evaluation.noise`)
-    noise = p99_ratio_interval(ours.arrival_s[ours.admitted], ours.e2e_s[ours.admitted],
-                               static.e2e_s[static.admitted])
+    ours = res["oserve"]
+    # the same requests on both sides (every policy admits the same ones): each ratio's spread over the window's
+    # minutes (`oserve.evaluation.noise`), against every other policy
+    noise = {k: p99_ratio_interval(ours.arrival_s[ours.admitted], ours.e2e_s[ours.admitted],
+                                   r.e2e_s[r.admitted]).as_dict() for k, r in res.items() if k != "oserve"}
     return {"name": f"{scenario.name}@{n_gpus}", "gpus": n_gpus, "cv": scenario.cv, "requests": len(scenario.window),
             "p99": {k: r.percentile("e2e", 99) for k, r in res.items()},
             "p99_ttft": {k: r.percentile("ttft", 99) for k, r in res.items()},
@@ -262,7 +262,7 @@ def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | N
             "refused": int(res["oserve"].refused.sum()),
             "throughput": {k: r.throughput_rps for k, r in res.items()},
             "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
-            "static_noise": noise.as_dict(),
+            "noise": noise, "static_noise": noise["vllm-static"],
             "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
             "oserve_decide_s": {**_order_stats([s["decide_s"] for s in spans]),
                                 "all": [s["decide_s"] for s in spans], "labels": [s["label"] for s in spans]},
@@ -362,6 +362,11 @@ def bench_e2e(
                                   for k in compared},
               # OServe slower than vllm-static on the whole of the ratio's bootstrap interval (`static_noise`)
               "worse_than_static_beyond_noise": [r["name"] for r in rows if r["static_noise"]["high"] < 1.0],
+              # per policy, the scenarios where the whole interval of OServe's ratio to it is above 1 (OServe faster
+              # beyond noise) or below 1 (slower beyond noise); the others are ties within noise
+              "beyond_noise": {k: {"better": [r["name"] for r in rows if k in r["noise"] and r["noise"][k]["low"] > 1.0],
+                                   "worse": [r["name"] for r in rows if k in r["noise"] and r["noise"][k]["high"] < 1.0]}
+                               for k in compared},
               "cv_rank_correlation": {k: _rank_correlation([r["cv"] for r in rows],
                                                            [r["speedup_p99"].get(k, math.nan) for r in rows])
                                       for k in BASELINES}}
@@ -387,6 +392,9 @@ def bench_e2e(
     worse = result["worse_than_static_beyond_noise"]
     out_console().print(f"worse than vllm-static beyond noise (the whole interval below 1; a block bootstrap over "
                         f"the window's minutes): {', '.join(worse) if worse else 'none'}")
+    n = len(rows)
+    out_console().print("beyond noise, of " + str(n) + " scenarios: " + "; ".join(
+        f"{k} {len(v['better'])} faster, {len(v['worse'])} slower" for k, v in result["beyond_noise"].items()))
     d = result["oserve_decide_s"]
     out_console().print(f"{len(rows)} scenarios in {result['seconds'] / 60:.1f} min ({workers} processes); OServe's "
                         f"decisions: median {_fmt(d['median'])} s, P90 {_fmt(d['p90'])} s, max {_fmt(d['max'])} s; "

@@ -47,6 +47,12 @@ class RatioInterval:
         (1 - level) / 2 of the resamples."""
         return self.high < 1.0
 
+    @property
+    def better_beyond_noise(self) -> bool:
+        """The whole interval is above 1: the reference is faster than the other on all but at most
+        (1 - level) / 2 of the resamples."""
+        return self.low > 1.0
+
     def as_dict(self) -> dict:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "level": self.level,
                 "num_blocks": self.num_blocks, "resamples": self.resamples}
