@@ -360,16 +360,16 @@ def bench_e2e(
                                   for k in compared},
               "min_speedup_p99": {k: min((r["speedup_p99"].get(k, math.nan) for r in rows), default=math.nan)
                                   for k in compared},
-              # OServe slower than vllm-static on the whole of the ratio's bootstrap interval (`static_noise`)
-              "worse_than_static_beyond_noise": [r["name"] for r in rows if r["static_noise"]["high"] < 1.0],
               # per policy, the scenarios where the whole interval of OServe's ratio to it is above 1 (OServe faster
               # beyond noise) or below 1 (slower beyond noise); the others are ties within noise
-              "beyond_noise": {k: {"better": [r["name"] for r in rows if k in r["noise"] and r["noise"][k]["low"] > 1.0],
-                                   "worse": [r["name"] for r in rows if k in r["noise"] and r["noise"][k]["high"] < 1.0]}
+              "beyond_noise": {k: {"better": [r["name"] for r in rows if r["noise"][k]["better_beyond_noise"]],
+                                   "worse": [r["name"] for r in rows if r["noise"][k]["worse_beyond_noise"]]}
                                for k in compared},
               "cv_rank_correlation": {k: _rank_correlation([r["cv"] for r in rows],
                                                            [r["speedup_p99"].get(k, math.nan) for r in rows])
                                       for k in BASELINES}}
+    # OServe slower than vllm-static on the whole of the ratio's bootstrap interval (`static_noise`)
+    result["worse_than_static_beyond_noise"] = result["beyond_noise"]["vllm-static"]["worse"]
     if out is not None:
         _save_report(out, "e2e", result,
                      lambda report: report.speedups(rows, out / "speedups.png",
@@ -392,8 +392,7 @@ def bench_e2e(
     worse = result["worse_than_static_beyond_noise"]
     out_console().print(f"worse than vllm-static beyond noise (the whole interval below 1; a block bootstrap over "
                         f"the window's minutes): {', '.join(worse) if worse else 'none'}")
-    n = len(rows)
-    out_console().print("beyond noise, of " + str(n) + " scenarios: " + "; ".join(
+    out_console().print(f"beyond noise, of {len(rows)} scenarios: " + "; ".join(
         f"{k} {len(v['better'])} faster, {len(v['worse'])} slower" for k, v in result["beyond_noise"].items()))
     d = result["oserve_decide_s"]
     out_console().print(f"{len(rows)} scenarios in {result['seconds'] / 60:.1f} min ({workers} processes); OServe's "

@@ -55,7 +55,8 @@ class RatioInterval:
 
     def as_dict(self) -> dict:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "level": self.level,
-                "num_blocks": self.num_blocks, "resamples": self.resamples}
+                "num_blocks": self.num_blocks, "resamples": self.resamples,
+                "worse_beyond_noise": self.worse_beyond_noise, "better_beyond_noise": self.better_beyond_noise}
 
 
 def blocks_of(arrival_s: np.ndarray, block_s: float) -> list[np.ndarray]:

@@ -259,6 +259,14 @@ class SelfCorrectingPlanner:
         was `switched_in` to (the decision in force moved replicas at its start) judges nothing: while the
         new replicas were switching, the ones that stayed carried their share too and queued for it."""
         cfg = self.guard
+        sat_frac = self.learner.config.saturated_frac
+        learned = sum(self.learner.observe(w) for w in span.windows)
+        saturated = [w for w in span.windows if w.saturated_s >= sat_frac * w.seconds]
+        growth = span.waiting_growth
+        record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
+        if switched_in:
+            return SpanOutcome(False, len(saturated), growth, learned)
+        # the table the guard judges by is changed only by `refresh`, after this: learning first changes nothing
         given = self._given_rates(deployment, weights, span)
         rates = given if weights is None else self._planned_rates(deployment, weights)
         if given is not None and weights is not None:  # judged at the larger of what was planned and what came
@@ -267,9 +275,6 @@ class SelfCorrectingPlanner:
                                np.pad(given, ((0, 0), (0, width - given.shape[1]))))
         util = self._utilisation(deployment, rates) if rates is not None else None
         overrun = self._beyond_plan(weights, span)
-        sat_frac = self.learner.config.saturated_frac
-        learned = sum(self.learner.observe(w) for w in span.windows)
-        saturated = [w for w in span.windows if w.saturated_s >= sat_frac * w.seconds]
         shapes = [r.shape for r in deployment.replicas]
         early = 0
         for w in span.windows:
@@ -281,12 +286,8 @@ class SelfCorrectingPlanner:
                 early += 1
             elif not loaded and w.tpot_s > cfg.tpot_factor * self._expected_tbt(deployment, rates, ks[0], span):
                 early += 1
-        growth = span.waiting_growth
         # queues that grew while a class came beyond its plan are the forecast's miss, not the model's
         underserved = early > 0 or (not overrun and growth > cfg.backlog_frac * max(span.arrivals, 1.0))
-        record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
-        if switched_in:
-            return SpanOutcome(False, len(saturated), growth, learned)
         record.spans += 1
         if underserved:
             record.underserved_spans += 1
