@@ -65,12 +65,15 @@ def elementwise_widths(hidden, heads, kv_heads, ffn, tp, gated: bool = True) -> 
 
 def gemm_seconds(theta: dict[str, float] | np.ndarray, m, k, n, peak_flops: float, hbm_bytes_per_s: float,
                  bytes_per_elem: int = 2):
-    """Roofline time of an (m x k) @ (k x n) GEMM. Pure; vectorised over m, k, n."""
+    """Roofline time of an (m x k) @ (k x n) GEMM, its rows padded to the kernel's tile (`theta["tile_rows"]`,
+    else `GEMM_TILE_ROWS`). Pure; vectorised over m, k, n."""
+    tile = GEMM_TILE_ROWS
     if isinstance(theta, dict):
         t0, eff_f, eff_b, p = theta["t0_s"], theta["eff_flops"], theta["eff_bw"], theta["p"]
+        tile = theta.get("tile_rows", GEMM_TILE_ROWS)
     else:
         t0, eff_f, eff_b, p = theta
-    m_tiles = np.ceil(np.asarray(m, dtype=float) / GEMM_TILE_ROWS) * GEMM_TILE_ROWS
+    m_tiles = np.ceil(np.asarray(m, dtype=float) / tile) * tile
     compute = 2.0 * m_tiles * k * n / (eff_f * peak_flops)
     memory = bytes_per_elem * (k * n + np.asarray(m, float) * k + np.asarray(m, float) * n) / (eff_b * hbm_bytes_per_s)
     return t0 + (compute ** p + memory ** p) ** (1.0 / p)
