@@ -39,7 +39,7 @@ from scipy.optimize import least_squares
 
 from oserve.decision import Decision
 from oserve.errors import ConfigError
-from oserve.perfmodel import GEMM_TILE_ROWS, AttentionModel, Batch, PerfModel, shipped_coefficients
+from oserve.perfmodel import AttentionModel, Batch, PerfModel, shipped_coefficients
 from oserve.routing import least_loaded
 from oserve.sim.kernel import SimConfig, simulate
 from oserve.specs import (ClusterSpec, Deployment, EngineConfig, GPUSpec, MemoryConfig, ModelSpec, Replica, ReplicaShape,
@@ -137,7 +137,7 @@ def perf_model(model: ModelSpec, gpu: GPUSpec, params: dict[str, float]) -> Perf
         "source": "fitted to a real engine's iteration times (oserve bench fidelity)",
         "gpu": {"name": gpu.name, "peak_flops": gpu.peak_flops, "hbm_bytes_per_s": gpu.hbm_bytes_per_s},
         "gemm": {**base["gemm"], "eff_flops": params["eff_flops"], "eff_bw": params["eff_bw"],
-                 "tile_rows": 1 if is_cpu_host(gpu) else base["gemm"].get("tile_rows", GEMM_TILE_ROWS)},
+                 **({"tile_rows": 1} if is_cpu_host(gpu) else {})},
         "elementwise": {op: {"a_s": c["a_s"] * params["elementwise_scale"], "b_s_per_elem": c["b_s_per_elem"] * scale}
                         for op, c in base["elementwise"].items()},
         "collectives": base["collectives"],
