@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 
 import nats
 import numpy as np
@@ -369,3 +370,81 @@ def test_the_guard_routes_a_spans_arrivals_as_the_router_does(inputs) -> None:
                     assert given_rates[r, j] == pytest.approx(count / SPAN_S * caps[r] / sum(caps), abs=1e-12)
 
     check()
+
+
+def test_a_deployment_that_decodes_slower_than_modelled_underserves_pooled_over_its_spans(inputs) -> None:
+    """`GuardConfig.slow_factor`: a deployment the model alone chose underserves once, pooled over at least
+    `slow_min_spans` of its spans (completion-weighted), its replicas with time to spare took more than
+    `slow_factor` times the time per output token the model expects at their loads; no span alone needs to
+    be beyond `tpot_factor`. Reference: the pooled ratio computed by a plain loop. A deployment measured on
+    the history never underserves for it (its tail was measured), and a slow span counts as no clean one."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from oserve.decision import Decision
+    from oserve.planner.adaptive import GuardConfig, MeasuredRun, deployment_key
+    from oserve.planner.candidates import homogeneous_deployment
+
+    cfg = GuardConfig()
+    probe = fresh_planner(inputs)
+    two = homogeneous_deployment(probe.ctx.cluster, TP1)
+    k = len(probe.class_names)
+    n0 = probe.ctx.table.rate(TP1, 0)
+    weights = tuple(tuple([0.3 * n0, 0.3 * n0] if j == 0 else [0.0, 0.0]) for j in range(k))
+    decision = Decision(two, weights, forecast_rps=tuple(sum(w) for w in weights), label="reroute")
+    by_class = tuple(0.6 * n0 * SPAN_S if j == 0 else 0.0 for j in range(k))
+    expected = probe._expected_tbt(two, probe._planned_rates(two, weights), 0, SpanRecord((), 0.0, 0.0, SPAN_S))
+    assert 0 < expected < math.inf
+
+    def span(ratio: float, done: int) -> SpanRecord:
+        window = ReplicaWindow(TP1, (float(done),) + (0.0,) * (k - 1), SPAN_S, 0.0, tpot_s=ratio * expected)
+        return SpanRecord((window, window), sum(by_class), 2.0 * done, SPAN_S, arrivals_by_class=by_class)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.tuples(st.floats(0.5, 0.99 * cfg.tpot_factor), st.integers(1, 200)), min_size=1, max_size=6),
+           st.booleans())
+    def check(spans, measured_before) -> None:
+        planner = fresh_planner(inputs)
+        if measured_before:
+            planner.seed([MeasuredRun(two, (), 20.0)])
+        seen = done_total = 0.0
+        for i, (ratio, done) in enumerate(spans, start=1):
+            out = planner.observe(span(ratio, done), decision)
+            seen, done_total = seen + ratio * done, done_total + done
+            slow = not measured_before and i >= cfg.slow_min_spans and seen / done_total > cfg.slow_factor
+            assert out.slow == out.underserved == slow
+            record = planner.measured[deployment_key(two)]
+            assert record.slowness() == pytest.approx(seen / done_total, rel=1e-9)
+        clean = sum(1 for _ in spans) - record.underserved_spans
+        assert (record.best_clean_demand_rps > 0) == (clean > 0)
+
+    check()
+
+
+def test_the_guard_leaves_a_deployment_slower_than_modelled_for_the_one_measured_best(inputs) -> None:
+    """Three spans 1.6x slower per output token than the model (none beyond `tpot_factor`, none saturated):
+    the planner leaves the deployment its model chose for the one measured best on the history."""
+    from oserve.decision import Decision
+    from oserve.planner.adaptive import MeasuredRun, deployment_key
+    from oserve.planner.candidates import homogeneous_deployment
+
+    planner = fresh_planner(inputs)
+    shapes = sorted(planner.ctx.table.shapes(planner.ctx.cluster.num_gpus), key=lambda s: (s.tp * s.pp, s.tp))
+    two = homogeneous_deployment(planner.ctx.cluster, TP1)
+    other = homogeneous_deployment(planner.ctx.cluster, next(s for s in shapes if s != TP1))
+    k = len(planner.class_names)
+    n0 = planner.ctx.table.rate(TP1, 0)
+    by_class = tuple(0.6 * n0 * SPAN_S if j == 0 else 0.0 for j in range(k))
+    planner.seed([MeasuredRun(other, (SpanRecord((), sum(by_class), sum(by_class), SPAN_S),), 12.0)])
+    weights = tuple(tuple([0.3 * n0, 0.3 * n0] if j == 0 else [0.0, 0.0]) for j in range(k))
+    decision = Decision(two, weights, forecast_rps=tuple(sum(w) for w in weights), label="reroute")
+    expected = planner._expected_tbt(two, planner._planned_rates(two, weights), 0, SpanRecord((), 0.0, 0.0, SPAN_S))
+    window = ReplicaWindow(TP1, (40.0,) + (0.0,) * (k - 1), SPAN_S, 0.0, tpot_s=1.6 * expected)
+    rates = np.array(by_class) / SPAN_S
+    for i in range(3):
+        out = planner.observe(SpanRecord((window, window), sum(by_class), 80.0, SPAN_S, arrivals_by_class=by_class),
+                              decision)
+        assert out.underserved == out.slow == (i == 2)
+    moved = planner.plan(rates, decision, None, SPAN_S)
+    assert moved.label == "guard" and sorted(moved.deployment.shapes()) == sorted(other.shapes())
+    assert planner.measured[deployment_key(two)].distrusted

@@ -151,7 +151,7 @@ class OServePolicy(Gateway):
         forecaster.fit(prior.counts)
         self.rates = RateForecaster(forecaster, span_s)
         self.outcomes: list[dict] = []
-        """Per span with learning: what the span showed (saturated replicas, backlog, underserved) and the
+        """Per span with learning: what the span showed (saturated replicas, backlog, underserved, slow) and the
         correction then in force."""
 
     def decide(self, view: SpanView) -> Decision | None:
@@ -159,7 +159,7 @@ class OServePolicy(Gateway):
             span = self.telemetry.span(view, float(self._counts.sum()), self._counts)
             if view.current is not None:
                 out = self.adaptive.observe(span, view.current)
-                self.outcomes.append({"span_index": view.span_index, "underserved": out.underserved,
+                self.outcomes.append({"span_index": view.span_index, "underserved": out.underserved, "slow": out.slow,
                                       "saturated_replicas": out.saturated_replicas, "learned": out.learned,
                                       "waiting_growth": out.backlog_growth, "arrivals": span.arrivals,
                                       "scales": {f"{s}/{self.adaptive.class_names[j]}": v

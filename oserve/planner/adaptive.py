@@ -17,7 +17,11 @@ live scheduler worker): each span it is told what every replica did (a `SpanReco
   of the span's arrivals. A replica's load is the larger of what the plan gave it and what the span's
   real arrivals per class (`SpanRecord.arrivals_by_class`) gave it, routed as the router routes them: a
   class's arrivals up to where it came beyond its plan (`oserve.routing.beyond_plan` over the span) as
-  the plan's weights split them, the surplus over every replica in proportion to its capacity. Queues
+  the plan's weights split them, the surplus over every replica in proportion to its capacity. A
+  deployment the model alone chose (none measured on the history) also underserves once, pooled over its
+  spans (at least `slow_min_spans`), its replicas with time to spare decoded more than `slow_factor` times
+  slower than the model expects at their loads: a whole deployment slower than believed may never fill,
+  and its tail is then worse than the twin scored it while no replica saturates. Queues
   that grew in a span in which some class came beyond its plan are not held against the model: a mix that
   moved away from its forecast is the forecast's miss, which the next plan answers (a guard that fired on
   them moved OServe to the static shape for the rest of a shifting run). A class that came beyond its
@@ -89,11 +93,23 @@ class GuardConfig:
     full_gain: float = 0.25
     """... or, when none did, for its full rate: it finished this fraction more per second when full than
     the deployment in force."""
+    slow_factor: float = 1.5
+    """A deployment chosen by the model alone (none measured on the history) underserves when, pooled over
+    every span it has served, its replicas that were neither loaded past `planned_utilisation` nor
+    saturated took more than this many times the time per output token the (learned) model expects at
+    their loads (completion-weighted). Pooled, the ratio on correct engines stayed within 0.79-1.36 on
+    azure-conv (30 min, the guard's tuning scenario; 1.36 in the spans just after a switch) and within
+    0.66-1.16 on S2, S5, T2, servegen-m-large and servegen-m-mid."""
+    slow_min_spans: int = 3
+    """... once it has at least this many spans with such replicas."""
 
     def __post_init__(self) -> None:
-        for name in ("planned_utilisation", "backlog_frac", "thin_sd", "demand_frac", "full_gain", "tpot_factor"):
+        for name in ("planned_utilisation", "backlog_frac", "thin_sd", "demand_frac", "full_gain", "tpot_factor",
+                     "slow_factor"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"GuardConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.slow_min_spans < 1:
+            raise ConfigError(f"GuardConfig.slow_min_spans must be >= 1, got {self.slow_min_spans!r}")
 
 
 @dataclass
@@ -112,6 +128,17 @@ class Measured:
     distrusted: bool = False
     """It underserved at a load its table said it carries and the guard moved away from it: the planner
     does not return to it while the evidence on its pairs is thin."""
+    tpot_seen_s: float = 0.0
+    """Over the spans it served under a plan: the time per output token of its replicas that were neither
+    loaded past `GuardConfig.planned_utilisation` nor saturated, summed weighted by their completions ..."""
+    tpot_model_s: float = 0.0
+    """... and what the (learned) model expected of them at their loads, weighted the same."""
+    tpot_spans: int = 0
+    """The spans that added to those sums."""
+
+    def slowness(self) -> float:
+        """Its pooled time per output token over the model's (`tpot_seen_s / tpot_model_s`); NaN before any."""
+        return self.tpot_seen_s / self.tpot_model_s if self.tpot_model_s > 0 else math.nan
 
 
 @dataclass(frozen=True)
@@ -150,6 +177,9 @@ class SpanOutcome:
     backlog_growth: float = 0.0
     learned: int = 0
     """Replica spans that moved the capacity estimate."""
+    slow: bool = False
+    """It underserved (also) because, pooled over its spans, it decoded slower than the model by more than
+    `GuardConfig.slow_factor` (a deployment the history never measured)."""
 
 
 def deployment_key(deployment: Deployment) -> tuple[ReplicaShape, ...]:
@@ -277,24 +307,42 @@ class SelfCorrectingPlanner:
         overrun = self._beyond_plan(weights, span)
         shapes = [r.shape for r in deployment.replicas]
         early = 0
+        seen = model = 0.0
         for w in span.windows:
             ks = [i for i, s in enumerate(shapes) if s == w.shape]
             if not ks:
                 continue
             loaded = util is not None and all(util[k] > cfg.planned_utilisation for k in ks)
-            if w in saturated and not loaded:
+            if loaded:
+                continue
+            if w in saturated:
                 early += 1
-            elif not loaded and w.tpot_s > cfg.tpot_factor * self._expected_tbt(deployment, rates, ks[0], span):
+                continue
+            expected = self._expected_tbt(deployment, rates, ks[0], span)
+            if w.tpot_s > cfg.tpot_factor * expected:
                 early += 1
+            done = float(sum(w.completed))
+            if done > 0 and math.isfinite(w.tpot_s):
+                seen, model = seen + done * w.tpot_s, model + done * expected
+        slow = False
+        if weights is not None and model > 0:
+            record.tpot_seen_s += seen
+            record.tpot_model_s += model
+            record.tpot_spans += 1
+            # the model's verdict alone chose it: a deployment measured on the history has shown its tail already
+            slow = (not math.isfinite(record.p99_s) and record.tpot_spans >= cfg.slow_min_spans
+                    and record.slowness() > cfg.slow_factor)
         # queues that grew while a class came beyond its plan are the forecast's miss, not the model's
-        underserved = early > 0 or (not overrun and growth > cfg.backlog_frac * max(span.arrivals, 1.0))
+        full = early > 0 or (not overrun and growth > cfg.backlog_frac * max(span.arrivals, 1.0))
+        underserved = full or slow
         record.spans += 1
         if underserved:
             record.underserved_spans += 1
+        if full:
             record.best_full_rps = max(record.best_full_rps, span.completions / span.span_s)
-        elif span.arrivals > 0:
+        elif span.arrivals > 0 and not slow:
             record.best_clean_demand_rps = max(record.best_clean_demand_rps, span.arrivals / span.span_s)
-        return SpanOutcome(underserved, len(saturated), growth, learned)
+        return SpanOutcome(underserved, len(saturated), growth, learned, slow)
 
     def _expected_tbt(self, deployment: Deployment, rates, k: int, span: SpanRecord) -> float:
         """The time per output token the (learned) model expects of replica `k` at the load it was given:
