@@ -408,9 +408,13 @@ def test_a_deployment_that_decodes_slower_than_modelled_underserves_pooled_over_
         if measured_before:
             planner.seed([MeasuredRun(two, (), 20.0)])
         seen = done_total = 0.0
+        peak = math.nan
         for i, (ratio, done) in enumerate(spans, start=1):
             out = planner.observe(span(ratio, done), decision)
             seen, done_total = seen + ratio * done, done_total + done
+            if i >= cfg.slow_min_spans:
+                peak = seen / done_total if math.isnan(peak) else max(peak, seen / done_total)
+            assert planner.peak_slowness == pytest.approx(peak, rel=1e-9, nan_ok=True)
             slow = not measured_before and i >= cfg.slow_min_spans and seen / done_total > cfg.slow_factor
             assert out.slow == out.underserved == slow
             record = planner.measured[deployment_key(two)]

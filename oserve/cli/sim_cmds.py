@@ -685,7 +685,9 @@ def bench_robustness(
                 rows.append({"scenario": row.scenario, "perturbation": row.perturbation,
                              "description": PERTURBATIONS[p].description, "results": row.results,
                              "learned_error": row.learned_error, "model_error": row.model_error,
-                             "pairs": row.pairs, "guard_events": row.guard_events, "table": row.table})
+                             "pairs": row.pairs, "guard_events": row.guard_events,
+                             "peak_slowness": None if math.isnan(row.peak_slowness) else row.peak_slowness,
+                             "table": row.table})
         bar.update(task, completed=num_scenarios * len(names) * 4)
     never_worse = all(r["results"]["oserve"]["finished"] >= r["results"]["vllm-static"]["finished"] for r in rows)
     result = {"model": model, "gpus": gpus, "load": load, "minutes": minutes, "rows": rows, "skipped": skipped,

@@ -78,6 +78,9 @@ class RobustnessRow:
     """The learned table's rows (model, learned and true capacity per shape and class)."""
     guard_events: int = 0
     """Times OServe's guard moved it back to the deployment measured to serve best."""
+    peak_slowness: float = math.nan
+    """OServe's highest pooled time per output token over the model's, over any deployment once it had
+    `GuardConfig.slow_min_spans` spans (`SelfCorrectingPlanner.peak_slowness`); NaN if none had."""
 
 
 def _summary(r: SimResult) -> dict:
@@ -131,7 +134,7 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
     return RobustnessRow(scenario.name, perturbation.name, results,
                          float(np.mean(errs)) if errs else math.nan,
                          float(np.mean(model_errs)) if model_errs else math.nan, len(rows), rows,
-                         learning.adaptive.guard_events)
+                         learning.adaptive.guard_events, learning.adaptive.peak_slowness)
 
 
 def _parse_shape(text: str) -> ReplicaShape:

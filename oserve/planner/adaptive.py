@@ -211,6 +211,9 @@ class SelfCorrectingPlanner:
         """Set once the guard has fired: the model was caught wrong, so from then on the planner moves only
         to deployments measured to serve the demand or whose capacity the evidence pins down."""
         self.guard_events = 0
+        self.peak_slowness = math.nan
+        """The highest pooled slowness (`Measured.slowness`) any deployment reached once it had
+        `GuardConfig.slow_min_spans` spans: what `GuardConfig.slow_factor` is set above on correct engines."""
         self._scored_with: tuple = ()
 
     @property
@@ -329,6 +332,8 @@ class SelfCorrectingPlanner:
             record.tpot_seen_s += seen
             record.tpot_model_s += model
             record.tpot_spans += 1
+            if record.tpot_spans >= cfg.slow_min_spans:
+                self.peak_slowness = float(np.nanmax([self.peak_slowness, record.slowness()]))
             # the model's verdict alone chose it: a deployment measured on the history has shown its tail already
             slow = (not math.isfinite(record.p99_s) and record.tpot_spans >= cfg.slow_min_spans
                     and record.slowness() > cfg.slow_factor)
