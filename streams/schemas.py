@@ -164,6 +164,12 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     gateway_id: str
     attempt: int = 0
     """0 on first dispatch; +1 each time it is re-dispatched after its replica went silent."""
+    dispatch_no: int | None = None
+    """How many times its gateway dispatched it before (0: the first dispatch), whatever the reason, unlike
+    `attempt`; a client's retry forwarded to the replica it is on carries the same number. A replica that fenced
+    itself and handed the request back drops a later dispatch numbered no higher than the one it handed back: a
+    copy sent before the gateway heard of the hand-back, which the gateway's own dispatch after it answers.
+    None: from a gateway that does not number its dispatches (nothing is dropped for it)."""
     sim_output_tokens: int | None = None
     """The simulated model's answer length (`SubmitRequest.sim_output_tokens`); the `sim` backend generates
     that many tokens, capped at max_tokens (max_tokens when None)."""

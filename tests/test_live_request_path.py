@@ -931,6 +931,79 @@ async def test_a_handed_back_request_goes_to_another_replica_when_one_accepts(se
     await asyncio.wait_for(main(), 30)
 
 
+async def test_a_copy_of_a_handed_back_request_that_reaches_the_fenced_replica_late_is_not_served_again(
+        server) -> None:
+    """A replica fences itself and hands a request back; a copy of its old dispatch (a client's retry its gateway
+    forwarded before it heard of the hand-back) reaches the replica afterwards. The gateway's own dispatch after
+    the hand-back answers it; the fenced replica drops the copy, so the client gets one answer, not two."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=5.0,
+                                                                   gateway_kwargs={"surplus_window_s": 1e9})
+            finals: Counter = Counter()
+
+            async def on_answer(msg) -> None:
+                if isinstance(decode_reply(msg.data), Reply):
+                    finals[decode_reply(msg.data).request_id] += 1
+            await nc.subscribe("_INBOX.>", cb=on_answer)
+            sent: list = []  # the dispatches r0 received, as they went on the wire
+
+            async def on_dispatch(msg) -> None:
+                sent.append((msg.data, msg.reply))
+            await nc.subscribe(subjects.replica("r0"), cb=on_dispatch)
+            await nc.publish(subjects.plan_event("assignment"),
+                             encode(AssignmentSet(strategy_id="s1", weights=[{"r0": 1e6, "r1": 0.0}])))
+            await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
+            a = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="late",
+                                                  timeout_s=20))
+            await wait_until(lambda: engines[0]._inflight and sent, 5, "r0 to hold the request")
+            await engines[0]._fence()
+            await wait_until(lambda: gw.num_requeued == 1, 5, "the hand-back to be seen")
+            data, reply = sent[0]
+            await nc.publish(subjects.replica("r0"), data, reply=reply)  # the late copy
+            ra = await a
+            await asyncio.sleep(0.5)  # a second answer, were there one, would have come by now
+            assert ra.replica_id == "r1" and finals == {"late": 1}
+            assert engines[0].num_stale_handed == 1 and not engines[0]._inflight
+
+    await asyncio.wait_for(main(), 30)
+
+
+async def test_a_handed_back_request_dispatched_again_to_its_only_replica_is_served_there_once(server) -> None:
+    """The fenced replica is the only one: the gateway's dispatch after the hand-back is served there (it
+    carries a later `dispatch_no`), while a late copy of the dispatch it handed back is dropped."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",),
+                                                                   speedup=5.0)
+            finals: Counter = Counter()
+
+            async def on_answer(msg) -> None:
+                if isinstance(decode_reply(msg.data), Reply):
+                    finals[decode_reply(msg.data).request_id] += 1
+            await nc.subscribe("_INBOX.>", cb=on_answer)
+            sent: list = []
+
+            async def on_dispatch(msg) -> None:
+                sent.append((msg.data, msg.reply))
+            await nc.subscribe(subjects.replica("r0"), cb=on_dispatch)
+            a = asyncio.create_task(client.submit(input_tokens=100, max_tokens=200, request_id="only",
+                                                  timeout_s=20))
+            await wait_until(lambda: engines[0]._inflight and sent, 5, "r0 to hold the request")
+            await engines[0]._fence()
+            await wait_until(lambda: len(sent) == 2, 5, "the gateway to dispatch it to r0 again")
+            first, again = (decode(d, Dispatch) for d, _ in sent)
+            assert (first.dispatch_no, again.dispatch_no) == (0, 1) and first.attempt == again.attempt == 0
+            await nc.publish(subjects.replica("r0"), sent[0][0], reply=sent[0][1])  # a late copy of the first
+            ra = await a
+            await asyncio.sleep(0.5)
+            assert ra.replica_id == "r0" and ra.output_tokens == 200 and finals == {"only": 1}
+            # the copy came while the dispatch after the hand-back ran (a duplicate of it) or after (stale)
+            assert engines[0].num_stale_handed + engines[0].num_duplicates == 1
+
+    await asyncio.wait_for(main(), 30)
+
+
 def test_a_gateway_counts_its_arrivals_against_its_share_of_the_plan() -> None:
     """With two gateways behind a balancer, each sees half the arrivals: at `plan_share` 0.5 a class is
     beyond its plan once this gateway's count passes 1.5x half the plan's rate (plus the slack)."""

@@ -17,7 +17,9 @@
   `overloaded`.
 - Fencing: a replica whose own loop went `fence_after_wall_s` without a heartbeat (a pause, a long
   collection) may have been declared dead and its requests re-dispatched; it drops what it holds
-  unanswered and hands it back (`Completed.requeue`) before it answers anything else.
+  unanswered and hands it back (`Completed.requeue`) before it answers anything else. A later copy of a
+  dispatch it handed back (`Dispatch.dispatch_no` no higher than the one it held) is dropped: the gateway's
+  own dispatch after the hand-back answers it, here too when this is the only replica.
 - Requests answered with an error are listed in `Completed.released` (no numbers), so the gateway
   forgets them too.
 - `stop()` is as good as a crash (the gateway re-dispatches); `fail_inflight()` after it answers what
@@ -76,7 +78,8 @@ from oserve.workers.clock import Clock
 
 log = logging.getLogger(__name__)
 MAX_HANDED_KEYS = 100_000
-"""Requests handed over in a switch whose later copies a retiring replica recognises (and drops), at most."""
+"""Requests handed over in a switch, or handed back by a fence, whose later copies a replica recognises (and
+drops), at most (each kind)."""
 CONFIRM_WAIT_WALL_S = 3600.0
 """How long a heartbeat's confirmation (a flush) may wait for its PONG: in effect forever, as giving up on one
 would stop the connection's reading (`EngineWorker._heartbeat_loop`); a stall is judged by `_stalled` meanwhile."""
@@ -160,6 +163,8 @@ class _InFlight:
     fingerprint: str = ""
     """`Dispatch.fingerprint`: its stored answer is resent only to the same ask."""
     deadline_unix_s: float | None = None
+    dispatch_no: int | None = None
+    """`Dispatch.dispatch_no` of the dispatch it runs from."""
     sent_tokens: int = 0
     """Streamed requests: tokens already sent in chunks."""
     sent_chars: int = 0
@@ -217,9 +222,12 @@ class EngineWorker(Worker):
         self.num_overloaded = 0
         self.num_fenced = 0  # times this replica fenced itself after a stall
         self.num_migrated = 0  # requests handed over mid-answer to a switch's new replicas
-        self.num_stale_handed = 0  # copies of handed-over requests that came after the hand-over, dropped
+        self.num_stale_handed = 0  # copies of handed-over or handed-back requests that came after, dropped
         # dedupe keys of the requests handed over (`_migrate`), the last MAX_HANDED_KEYS
         self._handed_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # dedupe keys of the requests a fence handed back (`_fence`), the last MAX_HANDED_KEYS, with the
+        # `Dispatch.dispatch_no` each was handed back at: a copy numbered no higher is stale
+        self._fenced_keys: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._migrate_after_wall_s: float | None = None  # set by `drain_migrating`
         self._window_e2e: list[float] = []
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline_unix_s, seq) of in-flight requests
@@ -351,6 +359,12 @@ class EngineWorker(Worker):
             # what it generated here; serving it again here would answer it twice
             self.num_stale_handed += 1
             return
+        if d.dispatch_no is not None and d.dispatch_no <= self._fenced_keys.get(key, -1):
+            # a copy of a dispatch this replica handed back when it fenced itself, sent before its gateway heard
+            # of the hand-back (a client's retry it forwarded here): the gateway's own dispatch after the
+            # hand-back, numbered higher, answers it (here too, when this is the only replica)
+            self.num_stale_handed += 1
+            return
         if d.deadline_unix_s is not None and time.time() >= d.deadline_unix_s:
             self.num_expired += 1
             await self._refuse(msg.reply, d.request_id, owner, ErrorCode.DEADLINE_EXCEEDED,
@@ -389,6 +403,7 @@ class EngineWorker(Worker):
                                                                              body_size_bytes=len(msg.data))})
         self._inflight[job.seq] = _InFlight(job, msg.reply, span, None if span else trace_headers(msg.headers),
                                             key=key, owner=owner, fingerprint=d.fingerprint, deadline_unix_s=d.deadline_unix_s,
+                                            dispatch_no=d.dispatch_no,
                                             sent_tokens=resume.sent_tokens if resume else 0,
                                             sent_chars=resume.sent_chars if resume else 0)
         if resume is not None and span is not None:
@@ -533,6 +548,11 @@ class EngineWorker(Worker):
         now_s = self.clock.now_s()
         for item in items:  # what the backend finishes meanwhile names no request in flight: ignored
             self.backend.cancel(item.job.seq, now_s)
+            if item.dispatch_no is not None:
+                self._fenced_keys[item.key] = max(item.dispatch_no, self._fenced_keys.get(item.key, -1))
+                self._fenced_keys.move_to_end(item.key)
+                while len(self._fenced_keys) > MAX_HANDED_KEYS:
+                    self._fenced_keys.popitem(last=False)
             if item.span is not None:
                 item.span.set_attribute("oserve.cancelled", "fenced")
                 item.span.end()

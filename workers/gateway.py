@@ -719,7 +719,7 @@ class Gateway(Worker):
                          type_index=type_index, gateway_id=cfg.gateway_id, sim_output_tokens=req.sim_output_tokens,
                          stream=req.stream, detokenize=req.prompt is not None, temperature=req.temperature,
                          top_p=req.top_p, seed=req.seed, stop=req.stop, prompt=req.prompt, fingerprint=ask,
-                         deadline_unix_s=time.time() + timeout_s)
+                         deadline_unix_s=time.time() + timeout_s, dispatch_no=0)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
                 if span is not None:
@@ -869,7 +869,8 @@ class Gateway(Worker):
             self._maybe_unrouted = True
             await self._own(p)  # held now, not where it was
             return
-        p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt)
+        p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt,
+                                             dispatch_no=(p.dispatch.dispatch_no or 0) + (0 if first else 1))
         p.replica_id, p.wait_until_wall_s, p.free_retry = target, None, False
         if not first:
             self.num_redispatched += 1
