@@ -85,6 +85,14 @@ CONFIRM_WAIT_WALL_S = 3600.0
 would stop the connection's reading (`EngineWorker._heartbeat_loop`); a stall is judged by `_stalled` meanwhile."""
 
 
+def _remember(keys: collections.OrderedDict, key: str, value) -> None:
+    """Record `key` (with `value`) as the newest of `keys`, which keeps the last `MAX_HANDED_KEYS`."""
+    keys[key] = value
+    keys.move_to_end(key)
+    while len(keys) > MAX_HANDED_KEYS:
+        keys.popitem(last=False)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineWorkerConfig:
     """One engine worker."""
@@ -495,9 +503,7 @@ class EngineWorker(Worker):
             # out of flight before anything is awaited: from here on nothing answers it on this replica
             self._inflight.pop(job.seq, None)
             self._by_id.pop(item.key, None)
-            self._handed_keys[item.key] = None
-            while len(self._handed_keys) > MAX_HANDED_KEYS:
-                self._handed_keys.popitem(last=False)
+            _remember(self._handed_keys, item.key, None)
             chunk = None
             if job.seq in self._streams and tokens > item.sent_tokens:  # the client gets all of it before it moves
                 chunk = ReplyChunk(request_id=job.request_id, replica_id=self.config.replica_id, index=item.num_chunks,
@@ -549,10 +555,7 @@ class EngineWorker(Worker):
         for item in items:  # what the backend finishes meanwhile names no request in flight: ignored
             self.backend.cancel(item.job.seq, now_s)
             if item.dispatch_no is not None:
-                self._fenced_keys[item.key] = max(item.dispatch_no, self._fenced_keys.get(item.key, -1))
-                self._fenced_keys.move_to_end(item.key)
-                while len(self._fenced_keys) > MAX_HANDED_KEYS:
-                    self._fenced_keys.popitem(last=False)
+                _remember(self._fenced_keys, item.key, max(item.dispatch_no, self._fenced_keys.get(item.key, -1)))
             if item.span is not None:
                 item.span.set_attribute("oserve.cancelled", "fenced")
                 item.span.end()
