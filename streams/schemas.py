@@ -196,6 +196,10 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     resume: Resume | None = None
     """Set when the request migrated from a retiring replica in a switch (`Completed.migrated`): continue
     from what it generated there."""
+    move_after_tokens: PosTokens | None = None
+    """Hand the request back (`Completed.migrated`, as in a switch) once its answer has this many tokens: it
+    will then have outgrown the class it was routed as into one this replica does not serve, and its gateway
+    continues it on a replica that does (`oserve.correction.move_after_tokens`). None: it finishes here."""
     recovered: bool = False
     """Sent again by a gateway restarted after a crash, which took the request back from its journal: an engine
     that answered it already releases it without answering again (the answer went out in the same write as its

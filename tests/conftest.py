@@ -67,7 +67,7 @@ FAST_HB = dict(heartbeat_interval_wall_s=0.05)
 
 
 async def start_system(stack, url: str, replica_ids=("r0", "r1"), speedup: float = 50.0,
-                       gateway_kwargs=None, engine_kwargs=None):
+                       gateway_kwargs=None, engine_kwargs=None, estimator=None):
     """A gateway and simulated engines on one connection to `url`, under a fresh prefix, closed with `stack`;
     returns (nc, subjects, gateway, engines, a client)."""
     import nats
@@ -87,6 +87,6 @@ async def start_system(stack, url: str, replica_ids=("r0", "r1"), speedup: float
         cfg = EngineWorkerConfig(rid, subjects=subjects, **{**FAST_HB, **(engine_kwargs or {})})
         engines.append(await stack.enter_async_context(EngineWorker(nc, cfg, clock)))
     gw = await stack.enter_async_context(Gateway(nc, GatewayConfig(subjects=subjects, **(gateway_kwargs or {})),
-                                                 clock))
+                                                 clock, estimator=estimator))
     await gw.wait_for_replicas(len(replica_ids), 5.0)
     return nc, subjects, gw, engines, OServeClient(nc, subjects, default_timeout_s=10.0)

@@ -1051,3 +1051,47 @@ async def test_a_hand_back_held_for_want_of_a_replica_is_still_no_failed_attempt
             assert gw.num_requeued == 1 and gw.num_failed == 0 and ra.output_tokens == 200
 
     await asyncio.wait_for(main(), 30)
+
+
+@pytest.mark.parametrize("move", [True, False])
+async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_the_class_it_grew_into(server, move):
+    """Two classes of one prompt length, short answers on r0 and long ones on r1. Requests the gateway classes
+    short (their hint says 40 tokens) that answer 1,200 are handed back by r0 once they pass the class
+    boundary and finish on r1 with every token, once (`Dispatch.move_after_tokens`); short answers stay on r0.
+    With `move_outgrown` off they all finish on r0."""
+    import numpy as np
+
+    from oserve.online_types import OnlineTypes
+    from oserve.workload_types import fit_types
+
+    types = fit_types(np.array([500] * 40 + [520] * 40), np.array([40] * 40 + [1200] * 40), k=2)
+    short = int(np.argmin(np.array(types.centroids_log)[:, 1]))
+    weights = [{"r0": 1e6, "r1": 0.0}, {"r0": 0.0, "r1": 1e6}]
+    if short == 1:
+        weights.reverse()
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(
+                stack, server.url, estimator=OnlineTypes(types),
+                gateway_kwargs={"surplus_window_s": 1e9, "move_outgrown": move})
+            await nc.publish(subjects.plan_event("assignment"),
+                             encode(AssignmentSet(strategy_id="s1", weights=weights)))
+            await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
+            long_ = [client.submit(input_tokens=500, max_tokens=1500, output_hint_tokens=40, sim_output_tokens=1200,
+                                   request_id=f"long{i}", timeout_s=20) for i in range(6)]
+            short_ = [client.submit(input_tokens=500, max_tokens=1500, output_hint_tokens=40, sim_output_tokens=40,
+                                    request_id=f"short{i}", timeout_s=20) for i in range(6)]
+            replies = await asyncio.gather(*long_, *short_)
+            assert all(isinstance(r, Reply) for r in replies)
+            assert [r.output_tokens for r in replies] == [1200] * 6 + [40] * 6
+            assert {r.replica_id for r in replies[6:]} == {"r0"}
+            if move:
+                assert {r.replica_id for r in replies[:6]} == {"r1"}
+                assert engines[0].num_moved_outgrown == 6 and gw.num_moved_outgrown == 6
+            else:
+                assert {r.replica_id for r in replies[:6]} == {"r0"}
+                assert engines[0].num_moved_outgrown == 0 and gw.num_moved_outgrown == 0
+            await wait_until(lambda: not gw.pending, 5, "every completion")
+
+    await asyncio.wait_for(main(), 60)

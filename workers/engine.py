@@ -33,6 +33,9 @@
   reaches the retiring replica afterwards without a resume (a client's retry its gateway forwarded before it
   heard of the hand-over) is dropped there. With greedy sampling on replicas that compute alike it is token
   for token the answer without a switch (`tests/test_live_switch.py`).
+- Moving what outgrew its class (`Dispatch.move_after_tokens`): once a request's answer reaches that count
+  it is handed back the same way at the next step end (`_move_outgrown`); its gateway continues it on a
+  replica of the class it grew into (`oserve.correction`).
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`, with the load and the backend's cumulative
   busy and saturated seconds (what the scheduler learns capacity from); load and latency as `Telemetry`
   every `telemetry_interval_s` of clock time.
@@ -120,6 +123,10 @@ class EngineWorkerConfig:
     drain_timeout_wall_s: float = 30.0
     stream_interval_s: float = 0.05
     """Clock seconds between two chunks of a streamed answer (a few decode steps of a 7B model)."""
+    move_check_interval_s: float = 1.0
+    """Clock seconds between two looks at the answers' lengths of requests that may outgrow their class
+    (`Dispatch.move_after_tokens`; the simulator's gateway looks as often, `oserve.correction.CorrectionConfig`).
+    Step ends between them look too."""
     max_waiting: int = 8192
     """Requests waiting (not yet running) in the backend beyond which a new dispatch is refused `overloaded`
     (the gateway refuses earlier, by the replica's measured rate; this bounds what a stale view lets in)."""
@@ -138,7 +145,7 @@ class EngineWorkerConfig:
         if self.backend not in ("sim", "echo", "vllm"):
             raise ConfigError(f"EngineWorkerConfig.backend must be sim, echo or vllm, got {self.backend!r}")
         for name in ("heartbeat_interval_wall_s", "completion_flush_wall_s", "telemetry_interval_s",
-                     "drain_timeout_wall_s", "stream_interval_s", "fence_after_wall_s"):
+                     "drain_timeout_wall_s", "stream_interval_s", "fence_after_wall_s", "move_check_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"EngineWorkerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.dedupe_capacity < 1:
@@ -230,6 +237,9 @@ class EngineWorker(Worker):
         self.num_overloaded = 0
         self.num_fenced = 0  # times this replica fenced itself after a stall
         self.num_migrated = 0  # requests handed over mid-answer to a switch's new replicas
+        self.num_moved_outgrown = 0  # requests handed back mid-answer for outgrowing their class (`_move_outgrown`)
+        self._move_after: dict[int, int] = {}  # seq -> `Dispatch.move_after_tokens` of requests in flight
+        self._move_tick_s: float | None = None  # next look at their lengths (`move_check_interval_s`)
         self.num_stale_handed = 0  # copies of handed-over or handed-back requests that came after, dropped
         # dedupe keys of the requests handed over (`_migrate`), the last MAX_HANDED_KEYS
         self._handed_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -417,6 +427,11 @@ class EngineWorker(Worker):
         if resume is not None and span is not None:
             span.set_attributes({"oserve.resumed_tokens": resume.num_tokens, "oserve.migrated_from": resume.from_replica})
         self._by_id[key] = job.seq
+        if d.move_after_tokens is not None:
+            self._move_after[job.seq] = d.move_after_tokens
+            if self._move_tick_s is None:
+                self._move_tick_s = now_s + self.config.move_check_interval_s
+                self._wake.set()  # the step loop must wake to look at the answers' lengths too
         if d.deadline_unix_s is not None:
             heapq.heappush(self._deadlines, (d.deadline_unix_s, job.seq))
         self._idle.clear()
@@ -482,17 +497,39 @@ class EngineWorker(Worker):
             self._wake.set()
 
     async def _migrate(self) -> None:
-        """Hand every request still in flight over to the new replicas of a switch: each is dropped here, its
-        KV freed, and listed in `Completed.migrated` with what it generated (token ids and text) and what its
-        client was sent; the gateway dispatches it to a new replica, which continues it (`Dispatch.resume`).
-        Nothing is answered here. A request past `MAX_RESUME_TOKENS`, or a stalled replica's (it fences
-        instead), finishes in place."""
+        """Hand every request still in flight over to the new replicas of a switch (`_hand_over`)."""
         if self._stalled():
             return
-        now_s = self.clock.now_s()
+        handed = await self._hand_over(list(self._inflight.values()), self.clock.now_s())
+        self.num_migrated += handed
+        if handed:
+            log.info("%s: %d requests handed over to the new deployment", self.config.replica_id, handed)
+
+    async def _move_outgrown(self, now_s: float) -> None:
+        """Hand back the requests whose answers reached their `Dispatch.move_after_tokens`: they outgrew the class
+        they were routed as into one this replica does not serve (`_hand_over`; the gateway continues them)."""
+        due = []
+        for seq, after in list(self._move_after.items()):
+            item = self._inflight.get(seq)
+            if item is None:
+                del self._move_after[seq]
+            elif self.backend.generated_tokens(seq, now_s) >= after:
+                del self._move_after[seq]
+                due.append(item)
+        if due and not self._stalled():
+            self.num_moved_outgrown += await self._hand_over(due, now_s)
+
+    async def _hand_over(self, items: list[_InFlight], now_s: float) -> int:
+        """Hand `items` over to their gateway to be continued elsewhere: each is dropped here, its KV freed, and
+        listed in `Completed.migrated` with what it generated (token ids and text) and what its client was
+        sent; the gateway dispatches it to another replica, which continues it (`Dispatch.resume`). Nothing is
+        answered here. A request past `MAX_RESUME_TOKENS`, or one already complete, finishes in place. Returns
+        how many were handed over."""
         handed: list[Migration] = []
-        for item in list(self._inflight.values()):
+        for item in items:
             job = item.job
+            if self._inflight.get(job.seq) is not item:
+                continue  # answered or dropped meanwhile
             tokens = self.backend.generated_tokens(job.seq, now_s)
             ids = self.backend.token_ids(job.seq)[:tokens]
             if tokens > MAX_RESUME_TOKENS or tokens >= job.answer_tokens:
@@ -503,6 +540,7 @@ class EngineWorker(Worker):
             # out of flight before anything is awaited: from here on nothing answers it on this replica
             self._inflight.pop(job.seq, None)
             self._by_id.pop(item.key, None)
+            self._move_after.pop(job.seq, None)
             _remember(self._handed_keys, item.key, None)
             chunk = None
             if job.seq in self._streams and tokens > item.sent_tokens:  # the client gets all of it before it moves
@@ -523,16 +561,14 @@ class EngineWorker(Worker):
                 item.span.end()
             if done:
                 await self._finish(done)
-        self.num_migrated += len(handed)
         if not self._inflight:
             self._idle.set()
         self._wake.set()
-        if handed:
-            log.info("%s: %d requests handed over to the new deployment", self.config.replica_id, len(handed))
         for i in range(0, len(handed), EVENT_BATCH_ITEMS):
             await self.nc.publish(self.config.subjects.completions(), encode(Completed(
                 replica_id=self.config.replica_id, items=[], migrated=handed[i:i + EVENT_BATCH_ITEMS],
                 **self.clock.stamp())))
+        return len(handed)
 
     def _stalled(self) -> bool:
         """Whether this replica went longer than `fence_after_wall_s` without a heartbeat the server confirmed
@@ -717,9 +753,9 @@ class EngineWorker(Worker):
         while True:
             self._wake.clear()
             next_s = self._waiting_for_s = self.backend.next_event_s()
-            tick_s = self._chunk_tick_s  # None unless a streamed request is in flight
-            if tick_s is not None and (next_s is None or tick_s < next_s):
-                next_s = tick_s
+            for tick_s in (self._chunk_tick_s, self._move_tick_s):  # None unless streamed / movable requests are in flight
+                if tick_s is not None and (next_s is None or tick_s < next_s):
+                    next_s = tick_s
             if next_s is None:
                 await self._wake.wait()
                 continue
@@ -734,6 +770,9 @@ class EngineWorker(Worker):
             done = self.backend.advance(now_s)
             if done:
                 await self._finish(done)
+            if self._move_after:
+                await self._move_outgrown(now_s)
+            self._move_tick_s = now_s + self.config.move_check_interval_s if self._move_after else None
             if self._streams:
                 await self._send_chunks(now_s)
             else:

@@ -82,6 +82,7 @@ from nats.js.kv import KeyValue
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
+from oserve.correction import move_after_tokens, outgrown
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
@@ -183,6 +184,12 @@ class GatewayConfig:
     reply_roots: tuple[str, ...] | None = None
     """First tokens a request's reply subject may start with (see `oserve.streams.subjects.reply_error`);
     None: the clients' prefix (`Subjects.reply_prefix()`) and nats-py's default `_INBOX`."""
+    move_outgrown: bool = False
+    """A request that outgrows the class it was routed as (its answer passes the class's bound) into a class its
+    replica does not serve is handed back by the engine and continued on a replica that serves that class
+    (`Dispatch.move_after_tokens`, `oserve.correction`), as the planner's twin scores it when
+    `PlannerConfig.correction` is set (both off by default: the choice is not yet made on the tuning set);
+    False: it finishes where it was sent."""
     max_client_tags: int = 256
     """Distinct `client` tags the estimator learns by (each one is a feature of its regressor); requests
     with a tag beyond them are classed as untagged, so a client minting tags cannot grow the model."""
@@ -355,6 +362,7 @@ class Gateway(Worker):
         self.num_expired = 0  # requests answered `deadline_exceeded` here
         self.num_requeued = 0  # requests a fenced engine handed back (`Completed.requeue`)
         self.num_migrated = 0  # requests a retiring replica handed over mid-answer (`Completed.migrated`)
+        self.num_moved_outgrown = 0  # of those, requests continued in the class they grew into (`move_outgrown`)
         self.num_disconnects = 0  # liveness checks that found this gateway itself cut off from NATS
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
@@ -536,6 +544,30 @@ class Gateway(Worker):
             return None
         self._client_tags.add(tag)
         return tag
+
+    def _move_after(self, type_index: int, replica_id: str | None, input_tokens: int, max_tokens: int) -> int | None:
+        """`Dispatch.move_after_tokens` for a request of class `type_index` sent to `replica_id`: the answer's
+        length at which it outgrows its class into one that replica does not serve and another live one does
+        (`oserve.correction.move_after_tokens`, on the estimator's centroids now); None when never, or when
+        moving is off or there is no plan."""
+        weights = self._weights
+        if not self.config.move_outgrown or self.estimator is None or weights is None or replica_id is None:
+            return None
+
+        def moves_for(j: int) -> bool:
+            w = weights[j] if j < len(weights) else {}
+            return w.get(replica_id, 0.0) <= 0 and any(v > 0 and rid != replica_id and rid in self._eligible
+                                                       for rid, v in w.items())
+
+        return move_after_tokens(self.estimator.centroids_log, input_tokens, type_index, moves_for, max_tokens)
+
+    def _class_so_far(self, type_index: int, input_tokens: int, generated_tokens: int) -> int:
+        """The class of a request handed back mid-answer: the one its answer so far puts it in when it has
+        outgrown `type_index` (`oserve.correction.outgrown`), else `type_index`."""
+        if self.estimator is None or generated_tokens < 1:
+            return type_index
+        grown = self.estimator.classify_one(input_tokens, generated_tokens)
+        return grown if outgrown(grown, type_index, self.estimator.centroids_log[:, 1]) else type_index
 
     def _classify(self, input_tokens: int, max_tokens: int | None, hint_tokens: int | None,
                   tag: str | None) -> tuple[int, int]:
@@ -719,7 +751,8 @@ class Gateway(Worker):
                          type_index=type_index, gateway_id=cfg.gateway_id, sim_output_tokens=req.sim_output_tokens,
                          stream=req.stream, detokenize=req.prompt is not None, temperature=req.temperature,
                          top_p=req.top_p, seed=req.seed, stop=req.stop, prompt=req.prompt, fingerprint=ask,
-                         deadline_unix_s=time.time() + timeout_s, dispatch_no=0)
+                         deadline_unix_s=time.time() + timeout_s, dispatch_no=0,
+                         move_after_tokens=self._move_after(type_index, replica_id, input_tokens, max_tokens))
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
                 if span is not None:
@@ -827,7 +860,11 @@ class Gateway(Worker):
             p = self._held(m.request_id, m.owner)
             if p is not None and p.replica_id == c.replica_id:
                 self.num_migrated += 1
-                p.dispatch = msgspec.structs.replace(p.dispatch, resume=m.resume)
+                d = p.dispatch
+                grown = self._class_so_far(d.type_index, d.input_tokens, m.resume.num_tokens)
+                if grown != d.type_index:
+                    self.num_moved_outgrown += 1
+                p.dispatch = msgspec.structs.replace(d, resume=m.resume, type_index=grown)
                 await self._redispatch(m.request_id, p, migrated=True)
 
     def _held(self, request_id: str, owner: str) -> _Pending | None:
@@ -869,8 +906,11 @@ class Gateway(Worker):
             self._maybe_unrouted = True
             await self._own(p)  # held now, not where it was
             return
-        p.dispatch = msgspec.structs.replace(p.dispatch, attempt=attempt,
-                                             dispatch_no=(p.dispatch.dispatch_no or 0) + (0 if first else 1))
+        d = p.dispatch
+        p.dispatch = msgspec.structs.replace(d, attempt=attempt,
+                                             dispatch_no=(d.dispatch_no or 0) + (0 if first else 1),
+                                             move_after_tokens=self._move_after(d.type_index, target, d.input_tokens,
+                                                                                d.max_tokens))
         p.replica_id, p.wait_until_wall_s, p.free_retry = target, None, False
         if not first:
             self.num_redispatched += 1

@@ -219,7 +219,7 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     start_s = config.engine_start_s
     if start_s is None:
         start_s = engine_start_estimate_s() if config.engine == "vllm" else ENGINE_START_S
-    ctx = PlanningContext(model, cluster, prior.table, SwitchCosts(engine_start_s=start_s))
+    ctx = PlanningContext(model, cluster, prior.table, SwitchCosts(engine_start_s=start_s), classes=prior.types)
     first = prior.counts[-1] / prior.span_s if initial_rps is None else np.asarray(initial_rps, dtype=float)
     if first.shape != (prior.types.k,) or not np.all(np.isfinite(first)) or (first < 0).any():
         raise ConfigError(f"planning_inputs: initial_rps must be {prior.types.k} rates >= 0, got {first.tolist()}")

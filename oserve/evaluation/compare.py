@@ -154,7 +154,7 @@ def prepare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: 
     span_s = config.sim.span_s
     prior = fit_prior(scenario.history, model, cluster, target=config.target, span_s=span_s,
                       duration_s=scenario.history_s)
-    ctx = PlanningContext(model, cluster, prior.table, config.costs)
+    ctx = PlanningContext(model, cluster, prior.table, config.costs, classes=prior.types)
     runs: list[MeasuredRun] = []
     static, tried = (choose_static(model, cluster, scenario, prior, config, progress, runs) if needs_static
                      else (Deployment.empty(), {}))

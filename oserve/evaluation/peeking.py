@@ -54,6 +54,12 @@ class TrueTypePolicy(OServePolicy):
     def classify(self, arrival: ArrivalInfo) -> int:
         return self._record(arrival, self.true_type(arrival))
 
+    def class_so_far(self, input_tokens: int, generated_tokens: int) -> int:
+        return self.types.classify_one(input_tokens, generated_tokens)
+
+    def class_log_outputs(self) -> np.ndarray:
+        return np.array(self.types.centroids_log)[:, 1]
+
     def true_type(self, arrival: ArrivalInfo) -> int:
         return self.types.classify_one(arrival.input_tokens, int(self._served_output[arrival.request_index]))
 
@@ -64,7 +70,7 @@ def true_type_setup(setup: Setup, prior: Prior, config: EvalConfig) -> Setup:
     model, cluster = setup.model, setup.cluster
     table = CapacityTable(model, cluster.gpu, prior.types, config.target, gpus_per_node=cluster.gpus_per_node)
     return replace(setup, prior=replace(prior, lengths=prior.types, table=table),
-                   ctx=PlanningContext(model, cluster, table, config.costs))
+                   ctx=PlanningContext(model, cluster, table, config.costs, classes=prior.types))
 
 
 def window_prior(scenario: Scenario, model: ModelSpec, cluster: ClusterSpec, config: EvalConfig) -> Prior:

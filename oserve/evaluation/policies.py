@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from oserve.correction import OutgrownMover
 from oserve.decision import Decision
 from oserve.forecast.base import Forecaster
 from oserve.forecast.rates import RateForecaster
@@ -29,7 +30,7 @@ from oserve.planner.prior import Prior, client_tag
 from oserve.planner.static import everywhere
 from oserve.planner.twin import ArrivalPattern, RecentLengths, TwinConfig
 from oserve.routing import ReplicaLoad, beyond_plan, least_loaded
-from oserve.sim.kernel import ArrivalInfo, SpanView
+from oserve.sim.kernel import ArrivalInfo, BalancerView, Migration, SpanView
 from oserve.specs import Deployment
 from oserve.traces import Trace
 
@@ -63,6 +64,20 @@ class Gateway:
         self._counts = np.zeros(self.k)
         self._offsets: list[float] = []
         self._classes: list[int] = []
+        self.mover: OutgrownMover | None = None
+        """Moves requests that outgrow their class (`oserve.correction`); None: they stay where routed."""
+        self.migration_interval_s: float | None = None
+        """How often the kernel asks `plan_migrations` (None: never)."""
+
+    def correct_after_the_fact(self, mover: OutgrownMover) -> None:
+        """Move requests that outgrow the class they were routed as (`oserve.correction`)."""
+        self.mover = mover
+        self.migration_interval_s = mover.config.interval_s
+
+    def plan_migrations(self, replicas: list[BalancerView], now_s: float) -> list[Migration]:
+        if self.mover is None or self.current is None:
+            return []
+        return self.mover.plan(replicas, self.current.eligible)
 
     @property
     def classifies(self) -> bool:
@@ -84,6 +99,8 @@ class Gateway:
     def _record(self, arrival: ArrivalInfo, cls: int) -> int:
         """Count the arrival in class `cls` for the span's counts and arrival pattern; return `cls`."""
         self._counts[cls] += 1
+        if self.mover is not None:
+            self.mover.admit(arrival.request_index, arrival.input_tokens, cls)
         self._last_arrival_s = arrival.arrival_s
         self._offsets.append(arrival.arrival_s - self._span_start_s)
         self._classes.append(cls)
@@ -111,6 +128,9 @@ class Gateway:
                                          max_tokens=c.max_tokens or None)
             self._classes_seen.clear()
         self.recent.add_span((c.routed_class, c.input_tokens, c.output_tokens) for c in view.completed)
+        if self.mover is not None:
+            for c in view.completed:
+                self.mover.done(c.request_index)
         counts = self._counts
         pattern = ArrivalPattern(np.array(self._offsets), np.array(self._classes, dtype=np.int64), view.span_s,
                                  self.recent.lengths())
@@ -142,6 +162,9 @@ class OServePolicy(Gateway):
                  measured: tuple[MeasuredRun, ...] = ()) -> None:
         super().__init__(name, len(prior.class_names), prior.fresh_estimator(),
                          (config.twin or TwinConfig()).recent_spans)
+        if config.correction is not None:
+            self.correct_after_the_fact(OutgrownMover(ctx.model, ctx.cluster, self.class_so_far,
+                                                      self.class_log_outputs, config.correction))
         self.adaptive = SelfCorrectingPlanner(ctx, config, learner, guard, prior.counts.sum(axis=0)) \
             if learn_capacity else None
         if self.adaptive is not None:
@@ -165,6 +188,16 @@ class OServePolicy(Gateway):
                                       "scales": {f"{s}/{self.adaptive.class_names[j]}": v
                                                  for (s, j), v in self.adaptive.correction.scales.items()}})
         return super().decide(view)
+
+    def class_so_far(self, input_tokens: int, generated_tokens: int) -> int:
+        """The class of a request with this input that has generated this many tokens so far."""
+        assert self.estimator is not None
+        return self.estimator.predict_one(input_tokens, output_hint=generated_tokens)
+
+    def class_log_outputs(self) -> np.ndarray:
+        """Each class's centroid output (log1p tokens), as the estimator has them now."""
+        assert self.estimator is not None
+        return self.estimator.centroids_log[:, 1]
 
     def next_rates(self, view: SpanView, counts: np.ndarray) -> np.ndarray:
         """The forecast for the coming span (the first from the history alone)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oserve.errors import ConfigError
+from oserve.correction import CorrectionConfig
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler import SEARCHES
 from oserve.scheduler.search import SearchConfig
@@ -82,6 +83,11 @@ class PlannerConfig:
     """... and only to a plan whose peak utilisation is lower by at least this."""
     served_tolerance_frac: float = 0.001
     """A plan 'serves everything' when it serves all but this fraction of the demand (LP round-off)."""
+    correction: CorrectionConfig | None = None
+    """Requests that outgrow the class they were routed as move to a replica of the class they grew into
+    (`oserve.correction`): the gateway moves them, and the twin scores every plan with those moves, so a
+    plan that gives classes their own replicas is scored as the correction will serve it. None: requests
+    stay where routed."""
     free_switching: bool = False
     """Switches cost nothing and retired replicas finish their requests: the perfect-forecast reference
     (`oserve.evaluation`), never the product."""

@@ -10,6 +10,7 @@ from oserve.errors import ConfigError
 from oserve.specs import ClusterSpec, Deployment, ModelSpec
 from oserve.switch import SwitchConfig, plan_switch
 from oserve.switch.planner import reload_seconds
+from oserve.workload_types import WorkloadTypes
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class PlanningContext:
     cluster: ClusterSpec
     table: CapacityTable
     costs: SwitchCosts = field(default_factory=SwitchCosts)
+    classes: WorkloadTypes | None = None
+    """The centroids requests are classed by (the prior's types), for the twin to reclass a request that
+    outgrows its class as the gateway does (`PlannerConfig.correction`); None: the twin does not."""
 
     @property
     def class_names(self) -> tuple[str, ...]:

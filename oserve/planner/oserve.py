@@ -63,7 +63,8 @@ class OServePlanner:
         `oserve.perfmodel.ScaledPerf` when the capacity is learned, `oserve.planner.learned`)."""
         self.ctx = ctx
         self.config = config
-        self.twin = DigitalTwin(ctx.model, ctx.cluster.gpu, ctx.cluster, ctx.table.types, config.twin, perf) \
+        self.twin = DigitalTwin(ctx.model, ctx.cluster.gpu, ctx.cluster, ctx.table.types, config.twin, perf,
+                                classes=ctx.classes, correction=config.correction) \
             if config.twin is not None else None
 
     @property

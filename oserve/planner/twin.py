@@ -29,14 +29,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from oserve.capacity import LengthMix
+from oserve.correction import CorrectionConfig, OutgrownMover
 from oserve.decision import Decision
 from oserve.defaults import SPAN_S
 from oserve.errors import ConfigError
 from oserve.perfmodel import PerfModel
 from oserve.routing import ReplicaLoad, least_loaded
-from oserve.sim.kernel import ArrivalInfo, SimConfig, SpanView, simulate
+from oserve.sim.kernel import ArrivalInfo, BalancerView, Migration, SimConfig, SpanView, simulate
 from oserve.specs import ClusterSpec, Deployment, GPUSpec, ModelSpec
 from oserve.traces import Trace
+from oserve.workload_types import WorkloadTypes
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -147,30 +149,47 @@ class TwinConfig:
 
 class FixedPolicy:
     """A policy that serves one deployment for a whole run, each request of a known class routed by the
-    routing rule among the replicas the weights give its class (the twin and the ceiling use it)."""
+    routing rule among the replicas the weights give its class (the twin and the ceiling use it). With a
+    `mover`, requests that outgrow their class move as OServe's gateway moves them (`oserve.correction`)."""
 
     def __init__(self, deployment: Deployment, weights: tuple[tuple[float, ...], ...], classes: np.ndarray,
-                 name: str = "twin") -> None:
+                 name: str = "twin", mover: OutgrownMover | None = None) -> None:
         self.name = name
         self.decision = Decision(deployment, weights, 0.0, (), name)
         self._classes = np.asarray(classes, dtype=np.int64)
+        self.mover = mover
+        self.migration_interval_s = mover.config.interval_s if mover is not None else None
 
     def decide(self, view: SpanView) -> Decision | None:
+        if self.mover is not None:
+            for c in view.completed:
+                self.mover.done(c.request_index)
         return self.decision if view.current is None else None
 
     def classify(self, arrival: ArrivalInfo) -> int:
-        return int(self._classes[arrival.request_index])
+        cls = int(self._classes[arrival.request_index])
+        if self.mover is not None:
+            self.mover.admit(arrival.request_index, arrival.input_tokens, cls)
+        return cls
 
     def route(self, class_index: int, loads: Sequence[ReplicaLoad]) -> int | None:
         return least_loaded(loads, self.decision.eligible(class_index))
+
+    def plan_migrations(self, replicas: list[BalancerView], now_s: float) -> list[Migration]:
+        return self.mover.plan(replicas, self.decision.eligible) if self.mover is not None else []
 
 
 class DigitalTwin:
     """Scores deployments on a synthetic span of the forecast (see the module docstring)."""
 
     def __init__(self, model: ModelSpec, gpu: GPUSpec, cluster: ClusterSpec, types: LengthMix,
-                 config: TwinConfig = TwinConfig(), perf: PerfModel | None = None) -> None:
+                 config: TwinConfig = TwinConfig(), perf: PerfModel | None = None,
+                 classes: WorkloadTypes | None = None, correction: CorrectionConfig | None = None) -> None:
+        """With `classes` and `correction`, requests that outgrow their class move as the gateway moves them
+        (`oserve.correction`), reclassed by `classes`' centroids."""
         self.model, self.gpu, self.cluster, self.config = model, gpu, cluster, config
+        self.classes = classes if correction is not None else None
+        self.correction = correction
         self.perf = perf or PerfModel(model, gpu, gpus_per_node=cluster.gpus_per_node)
         self._lengths = [types.type_lengths(j) for j in range(len(types.names))]
 
@@ -250,7 +269,12 @@ class DigitalTwin:
         trace, classes, warm = self.workload(rates, pattern, long)
         if len(trace) < 10 or not deployment.replicas:
             return 0.0 if deployment.replicas else float("inf")
-        res = simulate(self.model, self.gpu, self.cluster, trace, FixedPolicy(deployment, weights, classes),
+        mover = None
+        if self.classes is not None and self.correction is not None:
+            log_outputs = np.array(self.classes.centroids_log)[:, 1]
+            mover = OutgrownMover(self.model, self.cluster, self.classes.classify_one, lambda: log_outputs,
+                                  self.correction)
+        res = simulate(self.model, self.gpu, self.cluster, trace, FixedPolicy(deployment, weights, classes, mover=mover),
                        self.config.sim, self.perf)
         scored = (res.arrival_s >= warm) & res.admitted
         e2e = np.sort(res.e2e_s[scored])
