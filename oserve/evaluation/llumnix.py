@@ -37,11 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from oserve.correction import migration_times
 from oserve.errors import ConfigError
 from oserve.evaluation.baselines import StaticPolicy
 from oserve.routing import ReplicaLoad
 from oserve.sim.kernel import BalancerView, Migration
-from oserve.specs import ClusterSpec, Deployment, ModelSpec, stage_kv_bytes_per_token
+from oserve.specs import ClusterSpec, Deployment, ModelSpec
 
 
 def virtual_blocks(rep: BalancerView) -> float:
@@ -113,14 +114,8 @@ class LlumnixPolicy(StaticPolicy):
 
     def migration_times(self, context_tokens: int, src: BalancerView, dst: BalancerView) -> tuple[float, float]:
         """(precopy_s, downtime_s) of moving a request with this context from `src` to `dst` (module doc). Pure."""
-        per_token_bytes = max(stage_kv_bytes_per_token(self.model, src.shape))
-        cluster = self.cluster
-        nodes = {cluster.node_of(g) for g in (*src.gpu_ids, *dst.gpu_ids)}
-        link = cluster.nvlink_bytes_per_s if len(nodes) <= 1 else cluster.network_bytes_per_s
-        bytes_per_s = link * self.migration_link_frac
-        precopy_s = context_tokens * per_token_bytes / bytes_per_s
-        downtime_s = self.migration_fixed_s + src.block_tokens * per_token_bytes / bytes_per_s
-        return precopy_s, downtime_s
+        return migration_times(self.model, self.cluster, context_tokens, src, dst, self.migration_fixed_s,
+                               self.migration_link_frac)
 
     def _is_source(self, rep: BalancerView) -> bool:
         if not rep.accepting:
