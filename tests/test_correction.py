@@ -215,3 +215,27 @@ def test_move_after_tokens_agrees_with_the_mover():
         mover.admit(1, 500, SHORT)
         reps = [View([(500 + gen, 1)], (0, 1, 2, 3)), View([], (4, 5, 6, 7))]
         assert bool(mover.plan(reps, eligible)) == moved
+
+
+def test_the_twin_scores_a_plan_with_the_moves():
+    """A class routed short that really holds long answers, on a deployment that keeps the classes apart: the
+    twin with the correction moves them (its score differs), without it it does not; the same inputs give the
+    same score."""
+    from oserve.capacity import FixedLengths
+    from oserve.planner.twin import DigitalTwin, TwinConfig
+
+    names = TYPES.names
+    outputs = [(40, 1200) * 20, (1200,) * 40]
+    if SHORT == 1:
+        outputs.reverse()
+    lengths = FixedLengths(names, ((500,) * 40, (500,) * 40), tuple(outputs))
+    dep = Deployment((Replica("short", ReplicaShape(4), (0, 1, 2, 3)), Replica("long", ReplicaShape(4), (4, 5, 6, 7))))
+    weights = tuple((1.0, 0.0) if j == SHORT else (0.0, 1.0) for j in range(2))
+    rates = np.zeros(2)
+    rates[SHORT], rates[LONG] = 3.0, 0.5
+    plain = DigitalTwin(LLAMA, H100, CLUSTER, lengths, TwinConfig(horizon_s=60.0, warmup_s=10.0))
+    moving = DigitalTwin(LLAMA, H100, CLUSTER, lengths, TwinConfig(horizon_s=60.0, warmup_s=10.0), classes=TYPES,
+                         correction=CorrectionConfig())
+    without, with_ = plain.score(dep, weights, rates), moving.score(dep, weights, rates)
+    assert with_ != without
+    assert with_ == moving.score(dep, weights, rates)

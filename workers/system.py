@@ -289,7 +289,8 @@ class LiveSystem:
             self.gateway = Gateway(nc, GatewayConfig(subjects=cfg.subjects, gateway_id=cfg.gateway_id,
                                                      max_context_tokens=cfg.max_context_tokens(ctx),
                                                      heartbeat_timeout_wall_s=cfg.heartbeat_timeout_wall_s,
-                                                     surplus_window_s=cfg.span_s),
+                                                     surplus_window_s=cfg.span_s,
+                                                     move_outgrown=cfg.planner_config().correction is not None),
                                    clock, estimator=self.inputs.prior.fresh_estimator(), tracer=tracer("gateway"), kv=kv,
                                    metrics=metrics, js=nc.jetstream())
             await self.gateway.start()
