@@ -123,19 +123,31 @@ def speedups(rows: list[dict], path: Path, title: str = "") -> Path:
 def peeking(rows: list[dict], steps: list[str], path: Path, title: str = "") -> Path:
     """OServe's speedup over vllm-static per scenario (groups) at each step from the old evaluation to the
     honest one (bars). `rows`: `oserve bench peeking` scenario rows."""
+    return _grouped_speedups(rows, "steps", [f"{i + 1}. {step}" for i, step in enumerate(steps)], path,
+                             title or "What each kind of peeking was worth")
+
+
+def levers(rows: list[dict], labels: list[str], path: Path, title: str = "") -> Path:
+    """OServe's speedup over vllm-static per scenario (groups) under each combination of levers (bars).
+    `rows`: `oserve bench levers` scenario rows."""
+    return _grouped_speedups(rows, "points", labels, path, title or "What each lever adds")
+
+
+def _grouped_speedups(rows: list[dict], key: str, labels: list[str], path: Path, title: str) -> Path:
+    """Bars of `row[key][i]["speedup"]` per row (groups) and label i (bars), a line at 1."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(8.0, 2.2 * len(rows) + 3), 4.8))
     x = np.arange(len(rows))
-    width = 0.8 / max(len(steps), 1)
-    for i, step in enumerate(steps):
-        vals = [r["steps"][i]["speedup"] if r["steps"][i]["speedup"] is not None else np.nan for r in rows]
-        ax.bar(x + (i - (len(steps) - 1) / 2) * width, vals, width, label=f"{i + 1}. {step}")
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        vals = [r[key][i]["speedup"] if r[key][i]["speedup"] is not None else np.nan for r in rows]
+        ax.bar(x + (i - (len(labels) - 1) / 2) * width, vals, width, label=label)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(x, [r["scenario"] for r in rows])
     ax.set_ylabel("P99 of vllm-static / P99 of OServe")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(title or "What each kind of peeking was worth")
+    ax.set_title(title)
     return _save(plt, fig, path)
 
 

@@ -60,6 +60,8 @@ def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
     (("bench", "ceiling", "--top", "0"), "--top must be >= 1"),
     (("bench", "ceiling", "--slice-minutes", "-1"), "--slice-minutes must be >= 0"),
     (("bench", "e2e", "--set", "mine"), "--set must be one of"),
+    (("bench", "levers", "--set", "mine"), "--set must be one of"),
+    (("bench", "levers", "--jobs", "-1"), "--jobs must be >= 0"),
     (("bench", "uncertainty", "--accuracies", "1,high"), "--accuracies must be numbers"),
     (("bench", "uncertainty", "--accuracies", "1.5"), "--accuracies must each be in [0, 1]"),
     (("simulate", "--trace", "S1", "--history-minutes", "0"), "history_minutes must be > 0"),
@@ -215,6 +217,23 @@ def test_bench_uncertainty_json_and_plot(monkeypatch, capsys, tmp_path: Path) ->
         assert p["oserve_p99_s"] > 0
         assert p["speedup"] == pytest.approx(row["static_p99_s"] / p["oserve_p99_s"]) or p["speedup"] <= 1.0
     assert (tmp_path / "uncertainty.png").stat().st_size > 10_000
+
+
+def test_bench_levers_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> None:
+    from oserve.evaluation.uncertainty import LEVERS
+
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "levers", "--scenarios", "S5", "--minutes", "1", "--gpus",
+                             "8", "--jobs", "1", "--json", "--out", str(tmp_path))
+    assert code == 0, err
+    result = json.loads(out)
+    (row,) = result["scenarios"]
+    assert row["scenario"] == "S5" and [p["label"] for p in row["points"]] == [label for label, _, _ in LEVERS]
+    for p in row["points"]:
+        assert p["oserve_p99_s"] > 0 and 0 < p["accuracy"] <= 1 and p["migrations"] >= 0
+        assert p["speedup"] == pytest.approx(row["static_p99_s"] / p["oserve_p99_s"]) or p["speedup"] <= 1.0
+    assert set(result["geomean_speedup_p99"]) == {label for label, _, _ in LEVERS}
+    assert json.loads((tmp_path / "levers.json").read_text())["scenarios"][0]["scenario"] == "S5"
+    assert (tmp_path / "levers.png").stat().st_size > 10_000
 
 
 def test_a_library_error_logged_with_its_traceback_reaches_the_user_as_one_line(monkeypatch) -> None:

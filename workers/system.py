@@ -215,7 +215,8 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     cluster = cluster_for_gpus(config.gpus, config.gpu)
     prior = fit_prior(history, model, cluster, span_s=config.span_s, k=config.num_types,
                       duration_s=config.history_minutes * 60.0 if config.history_minutes else None,
-                      max_pp=max_pipeline_stages() if config.engine == "vllm" else None)
+                      max_pp=max_pipeline_stages() if config.engine == "vllm" else None,
+                      class_lengths=config.planner_config().class_lengths)
     start_s = config.engine_start_s
     if start_s is None:
         start_s = engine_start_estimate_s() if config.engine == "vllm" else ENGINE_START_S

@@ -647,6 +647,106 @@ def bench_uncertainty(
         out_console().print(f"{s['name']}: skipped ({s['reason']})")
 
 
+def _levers_worker(args: tuple) -> dict:
+    """One scenario of `oserve bench levers`, in its own process: its row."""
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.evaluation.uncertainty import levers
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    name, gpus, model, load, minutes = args
+    spec, cluster = model_preset(model), cluster_for_gpus(gpus)
+    c = levers(spec, cluster, build_scenario(name, spec, cluster, load=load, minutes=minutes))
+    return {"scenario": c.scenario, "gpus": gpus, "static_p99_s": c.static_p99_s, "static_shape": c.static_shape,
+            "points": [{"label": p.label, "accuracy": p.accuracy, "oserve_p99_s": p.oserve_p99_s,
+                        "speedup": p.speedup, "migrations": p.migrations} for p in c.points]}
+
+
+@bench_app.command("levers")
+def bench_levers(
+    model: str = typer.Option("llama2-70b", help="Model preset."),
+    gpus: int = typer.Option(16, help="GPUs in the cluster."),
+    load: float = typer.Option(0.8, help=LOAD_HELP),
+    scenario_set: str = typer.Option("test", "--set", help="test, tuning (what the levers' defaults are chosen "
+                                                         "on), or all."),
+    scenarios: str = typer.Option(None, help="Comma-separated scenario names instead of a set."),
+    minutes: float = typer.Option(None, help="Length of each window (default: as in bench e2e)."),
+    jobs: int = typer.Option(0, help="Scenarios simulated at once, each in its own process (0: one per CPU)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    out: Path = typer.Option(None, help="Write levers.json and levers.png here."),
+) -> None:
+    """OServe with the estimator it really has, under each combination of the two levers beyond the
+    estimate: how the plan sees a class (what the estimated class holds, or its type) and whether requests
+    that outgrow their class move (`oserve.evaluation.uncertainty.levers`); P99 speedup over vllm-static."""
+    import os
+
+    from oserve.errors import ConfigError
+    from oserve.evaluation.tuning import TEST_SET, TUNING_SET
+    from oserve.evaluation.uncertainty import LEVERS
+
+    sets = {"test": TEST_SET, "tuning": TUNING_SET, "all": TUNING_SET + TEST_SET}
+    if scenarios:
+        names = [n.strip() for n in scenarios.split(",") if n.strip()]
+    elif scenario_set in sets:
+        names = list(sets[scenario_set])
+    else:
+        raise ConfigError(f"--set must be one of {', '.join(sets)}, got {scenario_set!r}")
+    if jobs < 0:
+        raise ConfigError(f"--jobs must be >= 0, got {jobs}")
+    console = Console(stderr=True)
+    skipped = []
+    for name in list(names):
+        if (reason := _missing_servegen(name)) is not None:
+            skipped.append({"name": name, "reason": reason})
+            names.remove(name)
+    workers = min(jobs or (os.cpu_count() or 1), len(names)) or 1
+    start = time.perf_counter()
+    args = [(name, gpus, model, load, minutes) for name in names]
+    found: dict[int, dict] = {}
+    with _progress(console) as bar:
+        task = bar.add_task(f"bench levers: {len(names)} scenarios in {workers} processes", total=len(names))
+        if workers > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            spawn = multiprocessing.get_context("spawn")  # as bench e2e: a fork of threaded polars can deadlock
+            with ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+                futures = {pool.submit(_levers_worker, a): i for i, a in enumerate(args)}
+                for future in as_completed(futures):
+                    found[futures[future]] = future.result()
+                    bar.update(task, advance=1, description=f"bench levers: {found[futures[future]]['scenario']} done")
+        else:
+            for i, a in enumerate(args):
+                found[i] = _levers_worker(a)
+                bar.update(task, advance=1)
+    rows = [found[i] for i in range(len(args))]
+    labels = [label for label, _, _ in LEVERS]
+    geomean = {label: _mean([r["points"][i]["speedup"] for r in rows])[1] for i, label in enumerate(labels)}
+    result = {"model": model, "gpus": gpus, "load": load, "set": "custom" if scenarios else scenario_set,
+              "levers": [{"label": label, "class_lengths": c, "moves": m} for label, c, m in LEVERS],
+              "scenarios": rows, "geomean_speedup_p99": geomean,
+              "min_speedup_p99": {label: min((r["points"][i]["speedup"] for r in rows), default=math.nan)
+                                  for i, label in enumerate(labels)},
+              "skipped": skipped, "seconds": time.perf_counter() - start, "processes": workers}
+    if out is not None:
+        _save_report(out, "levers", result,
+                     lambda report: report.levers(rows, labels, out / "levers.png",
+                                                  f"{model} on {gpus} GPUs: OServe with its estimator, by lever"))
+    if json_out:
+        typer.echo(json.dumps(_json_safe(result), indent=2))
+        return
+    t = Table(title="OServe's P99 speedup over vllm-static with its estimator: class lengths the plan assumes, "
+                    "and whether outgrown requests move (moves in parentheses)")
+    t.add_column("scenario")
+    for label in labels:
+        t.add_column(label, justify="right")
+    for r in rows:
+        t.add_row(r["scenario"], *(f"{_fmt(p['speedup'])} ({p['migrations']})" for p in r["points"]))
+    t.add_row("geomean", *(_fmt(geomean[label]) for label in labels))
+    out_console().print(compact(t))
+    for s in skipped:
+        out_console().print(f"{s['name']}: skipped ({s['reason']})")
+
+
 @bench_app.command("robustness")
 def bench_robustness(
     model: str = typer.Option("llama2-70b", help="Model preset."),

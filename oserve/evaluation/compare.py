@@ -153,7 +153,7 @@ def prepare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: 
     """Fit the prior on the scenario's history and, when asked, choose the static deployment on it."""
     span_s = config.sim.span_s
     prior = fit_prior(scenario.history, model, cluster, target=config.target, span_s=span_s,
-                      duration_s=scenario.history_s)
+                      duration_s=scenario.history_s, class_lengths=config.planner.class_lengths)
     ctx = PlanningContext(model, cluster, prior.table, config.costs, classes=prior.types)
     runs: list[MeasuredRun] = []
     static, tried = (choose_static(model, cluster, scenario, prior, config, progress, runs) if needs_static

@@ -12,27 +12,40 @@ lower accuracy misclasses include those a higher one does (the draws are nested)
 `curve` runs vllm-static once and OServe at each accuracy, and OServe as it really is (the estimator
 learning online, planning with what each estimated class contains: the honest policy of
 `oserve.evaluation.compare`), each with its measured accuracy on the window.
+
+`levers` is honest throughout (no policy is told a true length): it runs vllm-static once and OServe
+with its estimator under each combination of the two other levers of `LEVERS`, how the plan sees a
+class (`PlannerConfig.class_lengths`) and whether outgrown requests move (`PlannerConfig.correction`),
+so what each lever adds, alone and together, is measured on one window against one static baseline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from oserve.evaluation.baselines import StaticPolicy
+from oserve.correction import CorrectionConfig
 from oserve.evaluation.compare import EvalConfig, class_accuracy, prepare, speedup
 from oserve.evaluation.peeking import TrueTypePolicy, true_type_setup, window_runner
 from oserve.evaluation.policies import OServePolicy
 from oserve.evaluation.registry import Setup
 from oserve.evaluation.scenarios import Scenario
-from oserve.planner.prior import client_tag
+from oserve.planner.prior import client_tag, fit_prior
 from oserve.sim.kernel import ArrivalInfo, SimResult
 from oserve.specs import ClusterSpec, ModelSpec
 from oserve.traces import Trace
 
 ACCURACIES: tuple[float, ...] = (1.0, 0.95, 0.9, 0.8)
+LEVERS: tuple[tuple[str, str, bool], ...] = (
+    ("estimated", "estimated", False),
+    ("estimated + moves", "estimated", True),
+    ("types", "types", False),
+    ("types + moves", "types", True),
+)
+"""(label, `PlannerConfig.class_lengths`, outgrown requests move) of each variant `levers` runs."""
 
 
 class NoisyTypePolicy(TrueTypePolicy):
@@ -74,6 +87,8 @@ class CurvePoint:
     oserve_p99_s: float
     speedup: float
     """vllm-static's P99 over OServe's (capped at 1 when OServe finished fewer)."""
+    migrations: int = 0
+    """Live KV moves in the run: a switch's and the correction's."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +110,8 @@ def curve(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, accuracies
     static = run("vllm-static", StaticPolicy(honest.static, len(honest.prior.class_names)))
 
     def point(label: str, r: SimResult) -> CurvePoint:
-        return CurvePoint(label, class_accuracy(r, honest.prior), r.percentile("e2e", 99), speedup(r, static))
+        return CurvePoint(label, class_accuracy(r, honest.prior), r.percentile("e2e", 99), speedup(r, static),
+                          r.num_migrations)
 
     points = [point(f"{p:.0%}", run(f"oserve at {p:.0%}", NoisyTypePolicy(typed, scenario.window, p, seed)))
               for p in accuracies]
@@ -103,3 +119,35 @@ def curve(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, accuracies
                                          OServePolicy(honest.ctx, honest.prior, honest.new_forecaster(),
                                                       honest.span_s, honest.planner))))
     return Curve(scenario.name, static.percentile("e2e", 99), str(honest.static.replicas[0].shape), tuple(points))
+
+
+def with_class_lengths(setup: Setup, class_lengths: str, config: EvalConfig) -> Setup:
+    """`setup` with its prior refitted on its history as `fit_prior(class_lengths=...)` fits it, and its
+    planning context's table with it: the same estimator, counts and static choice, one lever moved."""
+    prior = fit_prior(setup.history, setup.model, setup.cluster, target=config.target, span_s=setup.span_s,
+                      duration_s=setup.history_s, class_lengths=class_lengths)
+    return replace(setup, prior=prior, ctx=replace(setup.ctx, table=prior.table))
+
+
+def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: EvalConfig = EvalConfig(),
+           correction: CorrectionConfig = CorrectionConfig(), levers: tuple[tuple[str, str, bool], ...] = LEVERS,
+           progress: Callable[[str], None] | None = None) -> Curve:
+    """vllm-static and OServe with its estimator under each of `levers` (module docstring), on the
+    scenario's window; each OServe is the product's policy (`oserve` in `oserve.evaluation.registry`)
+    with only the two levers set."""
+    prepared = prepare(model, cluster, scenario, config).setup
+    run = window_runner(model, cluster, scenario, config, progress)
+    static = run("vllm-static", StaticPolicy(prepared.static, len(prepared.prior.class_names)))
+    setups: dict[str, Setup] = {}
+    points = []
+    for label, class_lengths, moves in levers:
+        if class_lengths not in setups:
+            setups[class_lengths] = prepared if class_lengths == config.planner.class_lengths else \
+                with_class_lengths(prepared, class_lengths, config)
+        s = setups[class_lengths]
+        planner = replace(s.planner, class_lengths=class_lengths, correction=correction if moves else None)
+        r = run(f"oserve, {label}", OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner,
+                                                 measured=s.measured))
+        points.append(CurvePoint(label, class_accuracy(r, s.prior), r.percentile("e2e", 99), speedup(r, static),
+                                 r.num_migrations))
+    return Curve(scenario.name, static.percentile("e2e", 99), str(prepared.static.replicas[0].shape), tuple(points))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from oserve.errors import ConfigError
 from oserve.correction import CorrectionConfig
+from oserve.planner.prior import CLASS_LENGTHS
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler import SEARCHES
 from oserve.scheduler.search import SearchConfig
@@ -83,6 +84,12 @@ class PlannerConfig:
     """... and only to a plan whose peak utilisation is lower by at least this."""
     served_tolerance_frac: float = 0.001
     """A plan 'serves everything' when it serves all but this fraction of the demand (LP round-off)."""
+    class_lengths: str = "estimated"
+    """What the capacity table, and so the deployment search, takes each class to contain
+    (`oserve.planner.prior.fit_prior`): "estimated", what the estimator's class really holds, misclassed
+    requests included, so plans hedge against the estimator's errors; "types", the type itself, as if
+    every request were classed right, so plans give types their own replicas and leave the errors to the
+    twin (which replays what each class really held lately) and to `correction`."""
     correction: CorrectionConfig | None = None
     """Requests that outgrow the class they were routed as move to a replica of the class they grew into
     (`oserve.correction`): the gateway moves them, and the twin scores every plan with those moves, so a
@@ -109,6 +116,9 @@ class PlannerConfig:
             value = getattr(self, name)
             if not 0 <= value < 1:
                 raise ConfigError(f"PlannerConfig.{name} must be in [0, 1), got {value!r}")
+        if self.class_lengths not in CLASS_LENGTHS:
+            raise ConfigError(f"PlannerConfig.class_lengths must be one of {', '.join(CLASS_LENGTHS)}, got "
+                              f"{self.class_lengths!r}")
         if not self.neighbour_capacity_slack >= 0:
             raise ConfigError(f"PlannerConfig.neighbour_capacity_slack must be >= 0, got "
                               f"{self.neighbour_capacity_slack}")
