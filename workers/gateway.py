@@ -865,7 +865,10 @@ class Gateway(Worker):
                 if grown != d.type_index:
                     self.num_moved_outgrown += 1
                 p.dispatch = msgspec.structs.replace(d, resume=m.resume, type_index=grown)
-                await self._redispatch(m.request_id, p, migrated=True)
+                # one that outgrew its class left a replica that does not serve the class it grew into: not
+                # back there (as when its class came beyond its plan) while another replica takes it
+                await self._redispatch(m.request_id, p, migrated=True,
+                                       avoid=c.replica_id if grown != d.type_index else None)
 
     def _held(self, request_id: str, owner: str) -> _Pending | None:
         """The request this gateway holds under `request_id`, if a `Completed` entry naming `owner` is about it:
@@ -879,11 +882,11 @@ class Gateway(Worker):
     # --- nothing lost --------------------------------------------------------------------------------
 
     async def _redispatch(self, rid: str, p: _Pending, *, migrated: bool = False,
-                          handed_back: bool = False) -> None:
+                          handed_back: bool = False, avoid: str | None = None) -> None:
         """Dispatch a held request again: its replica died (a failed attempt), or it was `handed_back` by a
         replica that fenced itself (it stalled: a slow host, not a request that kills engines), or `migrated`
         in a switch; neither of the last two is a failed attempt, and the request's deadline still bounds how
-        often it can come back."""
+        often it can come back. A replica to `avoid` (`_route`) besides the one that handed it back."""
         first = p.wait_until_wall_s is not None  # held since it came in: this is its first dispatch
         free = first or migrated or handed_back or p.free_retry
         attempt = p.dispatch.attempt + (0 if free else 1)
@@ -899,7 +902,7 @@ class Gateway(Worker):
                     message=f"no replica answered after {attempt} dispatches")))
             return
         # a hand-back comes from a replica that stalled: another one takes it when any accepts
-        target = self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else None)
+        target = self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else avoid)
         if target is None:
             p.replica_id = None  # retried when a replica becomes eligible, and on liveness ticks
             p.free_retry = free and not first
