@@ -15,7 +15,7 @@ from oserve.evaluation.scenarios import build_scenario
 from oserve.errors import ConfigError
 from oserve.evaluation.uncertainty import NoisyTypePolicy, with_class_lengths, wrong_class
 from oserve.planner.config import PlannerConfig
-from oserve.planner.prior import fit_prior
+from oserve.planner.prior import planning_table
 from oserve.sim.kernel import ArrivalInfo, simulate
 from oserve.specs import GPUS, cluster_for_gpus, model_preset
 
@@ -79,27 +79,26 @@ def test_the_true_type_is_the_served_length_s_type(typed) -> None:
     assert class_accuracy(result, setup.prior) == 1.0
 
 
-def test_planning_classes_as_types_changes_the_table_and_nothing_else(typed) -> None:
-    """`class_lengths="types"` (the plan lever of `oserve bench levers`) gives the table of the types
-    themselves, the one the true-type reference plans with, and keeps the estimator, its accuracy and
-    the class counts of the estimated classes; "estimated" gives what those classes held."""
+def test_planning_classes_as_types_changes_the_planning_table_and_nothing_else(typed) -> None:
+    """`class_lengths="types"` (the plan lever of `oserve bench levers`) plans with the table of the types
+    themselves, the one the true-type reference plans with; "estimated" with the prior's (what each
+    estimated class held), and the prior, the static choice and what was measured stay as they were."""
     scenario, reference = typed
     cluster = reference.cluster
     estimated = prepare(LLAMA, cluster, scenario, CONFIG, needs_static=False).setup
-    typed_setup = with_class_lengths(estimated, "types", CONFIG)
-    assert typed_setup.prior.lengths is typed_setup.prior.types
     shapes = reference.ctx.table.shapes(cluster.num_gpus)
+    typed_setup = with_class_lengths(estimated, "types")
     assert np.array_equal(typed_setup.ctx.table.matrix(shapes), reference.ctx.table.matrix(shapes))
-    assert not np.array_equal(estimated.ctx.table.matrix(shapes), typed_setup.ctx.table.matrix(shapes))
-    assert np.array_equal(typed_setup.prior.counts, estimated.prior.counts)
-    assert typed_setup.prior.accuracy == estimated.prior.accuracy
-    assert typed_setup.prior.types.centroids_log == estimated.prior.types.centroids_log
+    back = with_class_lengths(typed_setup, "estimated")
+    assert back.ctx.table is estimated.prior.table
+    assert not np.array_equal(back.ctx.table.matrix(shapes), typed_setup.ctx.table.matrix(shapes))
+    assert typed_setup.prior is estimated.prior and back.prior is estimated.prior
     assert typed_setup.static == estimated.static and typed_setup.measured == estimated.measured
+    assert typed_setup.ctx.classes is estimated.prior.types
 
 
-def test_class_lengths_must_be_a_known_kind() -> None:
+def test_class_lengths_must_be_a_known_kind(typed) -> None:
     with pytest.raises(ConfigError, match="class_lengths"):
         PlannerConfig(class_lengths="guessed")
     with pytest.raises(ConfigError, match="class_lengths"):
-        fit_prior(build_scenario("S5", LLAMA, cluster_for_gpus(8), minutes=1, history_minutes=1).history, LLAMA,
-                  cluster_for_gpus(8), class_lengths="guessed")
+        planning_table(typed[1].prior, "guessed")

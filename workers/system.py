@@ -29,7 +29,7 @@ from oserve.planner.adaptive import SelfCorrectingPlanner
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.oserve import OServePlanner
-from oserve.planner.prior import Prior, client_tag, fit_prior
+from oserve.planner.prior import Prior, client_tag, fit_prior, planning_table
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
@@ -215,12 +215,12 @@ def planning_inputs(config: SystemConfig, history: Trace | None = None,
     cluster = cluster_for_gpus(config.gpus, config.gpu)
     prior = fit_prior(history, model, cluster, span_s=config.span_s, k=config.num_types,
                       duration_s=config.history_minutes * 60.0 if config.history_minutes else None,
-                      max_pp=max_pipeline_stages() if config.engine == "vllm" else None,
-                      class_lengths=config.planner_config().class_lengths)
+                      max_pp=max_pipeline_stages() if config.engine == "vllm" else None)
     start_s = config.engine_start_s
     if start_s is None:
         start_s = engine_start_estimate_s() if config.engine == "vllm" else ENGINE_START_S
-    ctx = PlanningContext(model, cluster, prior.table, SwitchCosts(engine_start_s=start_s), classes=prior.types)
+    table = planning_table(prior, config.planner_config().class_lengths)
+    ctx = PlanningContext(model, cluster, table, SwitchCosts(engine_start_s=start_s), classes=prior.types)
     first = prior.counts[-1] / prior.span_s if initial_rps is None else np.asarray(initial_rps, dtype=float)
     if first.shape != (prior.types.k,) or not np.all(np.isfinite(first)) or (first < 0).any():
         raise ConfigError(f"planning_inputs: initial_rps must be {prior.types.k} rates >= 0, got {first.tolist()}")

@@ -33,7 +33,7 @@ from oserve.planner.candidates import homogeneous_deployment, static_capacity_rp
 from oserve.planner.adaptive import MeasuredRun
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
-from oserve.planner.prior import Prior, fit_prior
+from oserve.planner.prior import Prior, fit_prior, planning_table
 from oserve.sim.kernel import SimConfig, SimResult, simulate
 from oserve.specs import ClusterSpec, Deployment, ModelSpec
 
@@ -153,8 +153,9 @@ def prepare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: 
     """Fit the prior on the scenario's history and, when asked, choose the static deployment on it."""
     span_s = config.sim.span_s
     prior = fit_prior(scenario.history, model, cluster, target=config.target, span_s=span_s,
-                      duration_s=scenario.history_s, class_lengths=config.planner.class_lengths)
-    ctx = PlanningContext(model, cluster, prior.table, config.costs, classes=prior.types)
+                      duration_s=scenario.history_s)
+    ctx = PlanningContext(model, cluster, planning_table(prior, config.planner.class_lengths), config.costs,
+                          classes=prior.types)
     runs: list[MeasuredRun] = []
     static, tried = (choose_static(model, cluster, scenario, prior, config, progress, runs) if needs_static
                      else (Deployment.empty(), {}))

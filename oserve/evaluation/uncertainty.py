@@ -33,7 +33,7 @@ from oserve.evaluation.peeking import TrueTypePolicy, true_type_setup, window_ru
 from oserve.evaluation.policies import OServePolicy
 from oserve.evaluation.registry import Setup
 from oserve.evaluation.scenarios import Scenario
-from oserve.planner.prior import client_tag, fit_prior
+from oserve.planner.prior import client_tag, planning_table
 from oserve.sim.kernel import ArrivalInfo, SimResult
 from oserve.specs import ClusterSpec, ModelSpec
 from oserve.traces import Trace
@@ -121,12 +121,10 @@ def curve(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, accuracies
     return Curve(scenario.name, static.percentile("e2e", 99), str(honest.static.replicas[0].shape), tuple(points))
 
 
-def with_class_lengths(setup: Setup, class_lengths: str, config: EvalConfig) -> Setup:
-    """`setup` with its prior refitted on its history as `fit_prior(class_lengths=...)` fits it, and its
-    planning context's table with it: the same estimator, counts and static choice, one lever moved."""
-    prior = fit_prior(setup.history, setup.model, setup.cluster, target=config.target, span_s=setup.span_s,
-                      duration_s=setup.history_s, class_lengths=class_lengths)
-    return replace(setup, prior=prior, ctx=replace(setup.ctx, table=prior.table))
+def with_class_lengths(setup: Setup, class_lengths: str) -> Setup:
+    """`setup` with OServe planning by `planning_table(prior, class_lengths)`: the same prior, estimator,
+    counts and static choice, one lever moved."""
+    return replace(setup, ctx=replace(setup.ctx, table=planning_table(setup.prior, class_lengths)))
 
 
 def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: EvalConfig = EvalConfig(),
@@ -138,13 +136,9 @@ def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: E
     prepared = prepare(model, cluster, scenario, config).setup
     run = window_runner(model, cluster, scenario, config, progress)
     static = run("vllm-static", StaticPolicy(prepared.static, len(prepared.prior.class_names)))
-    setups: dict[str, Setup] = {}
     points = []
     for label, class_lengths, moves in levers:
-        if class_lengths not in setups:
-            setups[class_lengths] = prepared if class_lengths == config.planner.class_lengths else \
-                with_class_lengths(prepared, class_lengths, config)
-        s = setups[class_lengths]
+        s = with_class_lengths(prepared, class_lengths)
         planner = replace(s.planner, class_lengths=class_lengths, correction=correction if moves else None)
         r = run(f"oserve, {label}", OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner,
                                                  measured=s.measured))

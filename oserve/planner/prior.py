@@ -8,10 +8,12 @@ From a history trace (the requests before the window: a warm-up prefix, an earli
   tokens, client), then learned from its completion;
 - what each estimated class really contains (`FixedLengths.from_observed`): the true lengths of the
   requests the estimator put in it, so plans and the twin reason about classes as routed, errors
-  included, not about perfectly separated types (`class_lengths="estimated"`); or, with
-  `class_lengths="types"`, each class planned as its type, as if every request were classed right
-  (`PlannerConfig.class_lengths` says why one would);
+  included, not about perfectly separated types;
 - the capacity table of those classes, and the per-span class counts the forecaster starts from.
+
+That table is what the classes really carry, and what the static baseline is chosen by. The table
+OServe plans with is `planning_table(prior, PlannerConfig.class_lengths)`: that one, or the types' own
+(each class planned as if every request in it were classed right).
 
 The live system fits the same from the trace it starts with (`oserve.workers.system`); the
 simulator's evaluation from a scenario's history (`oserve.evaluation.scenarios`).
@@ -20,11 +22,11 @@ simulator's evaluation from a scenario's history (`oserve.evaluation.scenarios`)
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from oserve.capacity import CapacityTable, FixedLengths, LatencyTarget, LengthMix
+from oserve.capacity import CapacityTable, FixedLengths, LatencyTarget
 from oserve.defaults import SPAN_S
 from oserve.errors import ConfigError
 from oserve.online_types import OnlineTypes
@@ -33,7 +35,7 @@ from oserve.traces import Trace
 from oserve.workload_types import WorkloadTypes, fit_types
 
 CLASS_LENGTHS: tuple[str, ...] = ("estimated", "types")
-"""What the capacity table takes a class to contain (`fit_prior`, `PlannerConfig.class_lengths`)."""
+"""What a planning table takes a class to contain (`planning_table`, `PlannerConfig.class_lengths`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,9 +46,8 @@ class Prior:
     """The types, fitted on the history's true lengths: the estimator's classes and their names."""
     estimator: OnlineTypes
     """The arrival-time estimator as the history left it; use `fresh_estimator()` for a copy to run."""
-    lengths: LengthMix
-    """What the capacity table takes each class to contain: what the class, as estimated at arrival, really
-    contains (true lengths; `FixedLengths`), or its type (`fit_prior(class_lengths="types")`)."""
+    lengths: FixedLengths
+    """What each class, as estimated at arrival, really contains (true lengths)."""
     table: CapacityTable
     """Capacity n[shape][class] of those classes."""
     counts: np.ndarray
@@ -75,16 +76,14 @@ def admitted_lengths(trace: Trace, model: ModelSpec) -> tuple[np.ndarray, np.nda
 
 def fit_prior(history: Trace, model: ModelSpec, cluster: ClusterSpec, *, target: LatencyTarget = LatencyTarget(),
               span_s: float = SPAN_S, k: int = 4, seed: int = 0, duration_s: float | None = None,
-              max_pp: int | None = None, class_lengths: str = "estimated") -> Prior:
+              max_pp: int | None = None) -> Prior:
     """Fit everything the planner knows before the window from `history` alone (module docstring). Pure.
 
     The history's time origin is its start and it lasts `duration_s` (default: up to the span holding
     its last arrival), ending where the window starts: its spans are [i * span_s, (i + 1) * span_s), so
     the last one is the span just before the window. `max_pp`: the deepest pipeline the engines run
-    (`CapacityTable.max_pp`). `class_lengths`: one of `CLASS_LENGTHS` (module docstring).
+    (`CapacityTable.max_pp`).
     """
-    if class_lengths not in CLASS_LENGTHS:
-        raise ConfigError(f"fit_prior: class_lengths must be one of {', '.join(CLASS_LENGTHS)}, got {class_lengths!r}")
     ok, inp, out = admitted_lengths(history, model)
     if len(inp) < k:
         raise ConfigError(f"fit_prior: the history holds {len(inp)} servable requests; need at least {k}")
@@ -99,14 +98,24 @@ def fit_prior(history: Trace, model: ModelSpec, cluster: ClusterSpec, *, target:
         cap = int(caps[i]) or None
         predicted[i] = estimator.predict_one(int(inp[i]), tag=tag, max_tokens=cap)
         right += estimator.learn_one(int(inp[i]), int(out[i]), tag=tag, max_tokens=cap) == predicted[i]
-    lengths = types if class_lengths == "types" else \
-        FixedLengths.from_observed(types.names, predicted, inp, out, fallback=types)
+    lengths = FixedLengths.from_observed(types.names, predicted, inp, out, fallback=types)
     table = CapacityTable(model, cluster.gpu, lengths, target, gpus_per_node=cluster.gpus_per_node, max_pp=max_pp)
     end_s = float(history.arrival_s[-1]) if duration_s is None else duration_s
     num_spans = max(1, int(np.ceil(end_s / span_s - 1e-9)))
     span = np.minimum((history.arrival_s[ok] // span_s).astype(np.int64), num_spans - 1)
     counts = np.bincount(span * k + predicted, minlength=num_spans * k).reshape(num_spans, k).astype(float)
     return Prior(types, estimator, lengths, table, counts, span_s, right / len(inp))
+
+
+def planning_table(prior: Prior, class_lengths: str) -> CapacityTable:
+    """The capacity table a planner plans with (`PlannerConfig.class_lengths`): "estimated", the prior's
+    own (what each estimated class really contains); "types", the table of the types themselves, for the
+    same model, GPU, target and pipeline limit. Pure."""
+    if class_lengths not in CLASS_LENGTHS:
+        raise ConfigError(f"class_lengths must be one of {', '.join(CLASS_LENGTHS)}, got {class_lengths!r}")
+    if class_lengths == "estimated":
+        return prior.table
+    return replace(prior.table, types=prior.types)
 
 
 def client_tag(client_id: int) -> str | None:
