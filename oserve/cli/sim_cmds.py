@@ -274,6 +274,22 @@ def _print_e2e_row(console: Console, row: dict) -> None:
                   + f" ({row['seconds']:.0f} s)")
 
 
+def _scenario_names(scenario_set: str, scenarios: str | None, jobs: int) -> list[str]:
+    """The scenarios a multi-scenario bench runs: `scenarios` (comma-separated) when given, else the named
+    set (`oserve.evaluation.tuning`); `jobs` checked on the way."""
+    from oserve.errors import ConfigError
+    from oserve.evaluation.tuning import TEST_SET, TUNING_SET
+
+    sets = {"test": TEST_SET, "tuning": TUNING_SET, "all": TUNING_SET + TEST_SET}
+    if jobs < 0:
+        raise ConfigError(f"--jobs must be >= 0, got {jobs}")
+    if scenarios:
+        return [n.strip() for n in scenarios.split(",") if n.strip()]
+    if scenario_set not in sets:
+        raise ConfigError(f"--set must be one of {', '.join(sets)}, got {scenario_set!r}")
+    return list(sets[scenario_set])
+
+
 def _e2e_worker(args: tuple) -> dict:
     return _e2e_row(*args, console=None)
 
@@ -297,19 +313,9 @@ def bench_e2e(
     """OServe's P99 against each baseline on the test scenarios (thresholds tuned on the others)."""
     import os
 
-    from oserve.errors import ConfigError
     from oserve.evaluation.registry import BASELINES
-    from oserve.evaluation.tuning import TEST_SET, TUNING_SET
 
-    sets = {"test": TEST_SET, "tuning": TUNING_SET, "all": TUNING_SET + TEST_SET}
-    if scenarios:
-        names = [n.strip() for n in scenarios.split(",") if n.strip()]
-    elif scenario_set in sets:
-        names = list(sets[scenario_set])
-    else:
-        raise ConfigError(f"--set must be one of {', '.join(sets)}, got {scenario_set!r}")
-    if jobs < 0:
-        raise ConfigError(f"--jobs must be >= 0, got {jobs}")
+    names = _scenario_names(scenario_set, scenarios, jobs)
     console = Console(stderr=True)
     runs = [(name, gpus) for name in names]
     if extra_32 and "azure-conv" in names:
@@ -679,19 +685,9 @@ def bench_levers(
     that outgrow their class move (`oserve.evaluation.uncertainty.levers`); P99 speedup over vllm-static."""
     import os
 
-    from oserve.errors import ConfigError
-    from oserve.evaluation.tuning import TEST_SET, TUNING_SET
     from oserve.evaluation.uncertainty import LEVERS
 
-    sets = {"test": TEST_SET, "tuning": TUNING_SET, "all": TUNING_SET + TEST_SET}
-    if scenarios:
-        names = [n.strip() for n in scenarios.split(",") if n.strip()]
-    elif scenario_set in sets:
-        names = list(sets[scenario_set])
-    else:
-        raise ConfigError(f"--set must be one of {', '.join(sets)}, got {scenario_set!r}")
-    if jobs < 0:
-        raise ConfigError(f"--jobs must be >= 0, got {jobs}")
+    names = _scenario_names(scenario_set, scenarios, jobs)
     console = Console(stderr=True)
     skipped = []
     for name in list(names):
