@@ -26,10 +26,11 @@ from oserve.forecast.gate import GatedForecaster
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import TracingConfig, setup_tracing
 from oserve.planner.adaptive import SelfCorrectingPlanner
+from oserve.correction import CorrectionConfig
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.oserve import OServePlanner
-from oserve.planner.prior import Prior, client_tag, fit_prior, planning_table
+from oserve.planner.prior import CLASS_LENGTHS, Prior, client_tag, fit_prior, planning_table
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import TwinConfig
 from oserve.scheduler.search import SearchConfig
@@ -92,6 +93,11 @@ class SystemConfig:
     of 3 wall seconds at 20x, so a 0.3 s budget) the slowest rescoring with four took 0.42-0.46 s on
     this machine, over the budget in 1 of 18 decisions (the three MILP solves that build the candidates
     are not counted); each strategy event says how long its decision took. None: no limit."""
+    class_lengths: str = "types"
+    """The table the deployment search plans with (`PlannerConfig.class_lengths`, whose default this is).
+    Needs the same value in the `PlanningInputs` the system is started with (`planning_inputs`)."""
+    move_outgrown: bool = True
+    """Requests that outgrow their class move (`PlannerConfig.correction`, `GatewayConfig.move_outgrown`)."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""
@@ -135,6 +141,9 @@ class SystemConfig:
         if self.gpus < 1 or self.num_types < 1 or not self.span_s > 0 or not self.speedup > 0:
             raise ConfigError(f"SystemConfig: gpus, num_types, span_s and speedup must be positive, got "
                               f"{self.gpus}, {self.num_types}, {self.span_s}, {self.speedup}")
+        if self.class_lengths not in CLASS_LENGTHS:
+            raise ConfigError(f"SystemConfig.class_lengths must be one of {', '.join(CLASS_LENGTHS)}, got "
+                              f"{self.class_lengths!r}")
         if not 0 <= self.fewer_replicas_slack < 1:
             raise ConfigError(f"SystemConfig.fewer_replicas_slack must be in [0, 1), got {self.fewer_replicas_slack}")
         if (self.engine_start_s is not None and self.engine_start_s < 0) or self.heartbeat_interval_wall_s <= 0:
@@ -181,7 +190,9 @@ class SystemConfig:
 
     def planner_config(self) -> PlannerConfig:
         return PlannerConfig(search=self.search, search_config=SearchConfig(fewer_replicas_slack=self.fewer_replicas_slack),
-                             twin=TwinConfig() if self.twin else None, max_twin_scores=self.max_twin_scores)
+                             twin=TwinConfig() if self.twin else None, max_twin_scores=self.max_twin_scores,
+                             class_lengths=self.class_lengths,
+                             correction=CorrectionConfig() if self.move_outgrown else None)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
