@@ -32,7 +32,8 @@ def server():
 def inputs():
     # fitted on the real trace's first ten minutes; a 70B model on 8 GPUs so the mix decides the deployment;
     # the first span is planned for the chat the replay starts with
-    # planned by what the estimated classes held on the history (`class_lengths`): the types' own table says a
+    # planned by what the estimated classes held on the history (`class_lengths`, pinned though it is the live
+    # default: the simulator's is "types"): the types' own table says a
     # TP2xPP2 replica carries the long-prompt class as well as a TP4 (2.84 against 2.79 req/s), so the shift
     # below would move no plan; by what that class held, TP4 carries 11% more (2.81 against 2.53)
     config = SystemConfig(model="llama2-70b", gpus=8, span_s=SPAN_S, engine_start_s=0.5, class_lengths="estimated")

@@ -93,11 +93,17 @@ class SystemConfig:
     of 3 wall seconds at 20x, so a 0.3 s budget) the slowest rescoring with four took 0.42-0.46 s on
     this machine, over the budget in 1 of 18 decisions (the three MILP solves that build the candidates
     are not counted); each strategy event says how long its decision took. None: no limit."""
-    class_lengths: str = "types"
-    """The table the deployment search plans with (`PlannerConfig.class_lengths`, whose default this is).
-    Needs the same value in the `PlanningInputs` the system is started with (`planning_inputs`)."""
-    move_outgrown: bool = True
-    """Requests that outgrow their class move (`PlannerConfig.correction`, `GatewayConfig.move_outgrown`)."""
+    class_lengths: str = "estimated"
+    """The table the deployment search plans with (`PlannerConfig.class_lengths`); the same value must be in
+    the `PlanningInputs` the system is started with (`planning_inputs` reads it from here). Not the
+    simulator's default ("types"), which pays only with the moves (`move_outgrown`)."""
+    move_outgrown: bool = False
+    """Requests that outgrow their class move (`PlannerConfig.correction`, `GatewayConfig.move_outgrown`).
+    Off live, unlike in the simulator: on the demo's workload (`oserve demo --no-static`, TP4 + TP4 in every
+    run) the live P99 was 26.0 s with "estimated" and no moves, 26.3 s with "types" and no moves, and
+    46.0 s with "types" and the moves (41.4 s in a second run); the simulator, on the same workload with
+    the live budget of twin scorings, chose one TP4xPP2 and moved nothing, so it never priced this. Why a
+    live move costs that much (a hand-back and re-prefill, where the simulator moves the KV) is open."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""
