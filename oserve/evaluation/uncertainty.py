@@ -10,7 +10,7 @@ counted and routed as. The draw is seeded per request, so a curve is reproducibl
 lower accuracy misclasses include those a higher one does (the draws are nested).
 
 `curve` runs vllm-static once and OServe at each accuracy, and OServe as it really is (the estimator
-learning online, planning with what each estimated class contains: the honest policy of
+learning online, planned and corrected as `EvalConfig.planner` says: the honest policy of
 `oserve.evaluation.compare`), each with its measured accuracy on the window.
 
 `levers` is honest throughout (no policy is told a true length): it runs vllm-static once and OServe
@@ -128,16 +128,16 @@ def with_class_lengths(setup: Setup, class_lengths: str) -> Setup:
 
 
 def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: EvalConfig = EvalConfig(),
-           correction: CorrectionConfig = CorrectionConfig(), levers: tuple[tuple[str, str, bool], ...] = LEVERS,
+           correction: CorrectionConfig = CorrectionConfig(), variants: tuple[tuple[str, str, bool], ...] = LEVERS,
            progress: Callable[[str], None] | None = None) -> Curve:
-    """vllm-static and OServe with its estimator under each of `levers` (module docstring), on the
+    """vllm-static and OServe with its estimator under each of `variants` (module docstring), on the
     scenario's window; each OServe is the product's policy (`oserve` in `oserve.evaluation.registry`)
     with only the two levers set."""
     prepared = prepare(model, cluster, scenario, config).setup
     run = window_runner(model, cluster, scenario, config, progress)
     static = run("vllm-static", StaticPolicy(prepared.static, len(prepared.prior.class_names)))
     points = []
-    for label, class_lengths, moves in levers:
+    for label, class_lengths, moves in variants:
         s = with_class_lengths(prepared, class_lengths)
         planner = replace(s.planner, class_lengths=class_lengths, correction=correction if moves else None)
         r = run(f"oserve, {label}", OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner,

@@ -89,11 +89,12 @@ class PlannerConfig:
     """A plan 'serves everything' when it serves all but this fraction of the demand (LP round-off)."""
     class_lengths: str = "types"
     """What the capacity table OServe plans with, and so the deployment search, takes each class to
-    contain (`oserve.planner.prior.planning_table`): "estimated", what the estimator's class really holds, misclassed
-    requests included, so plans hedge against the estimator's errors; "types", the type itself, as if
-    every request were classed right, so plans give types their own replicas and leave the errors to the
-    twin (which replays what each class really held lately) and to `correction`. Tuned, with `correction`:
-    "types" pays only with the moves (module docstring)."""
+    contain (`oserve.planner.prior.planning_table`): "estimated", what the estimator's class really
+    holds, misclassed requests included, so plans hedge against the estimator's errors; "types", the type
+    itself, as if every request were classed right, so plans give types their own replicas and leave the
+    errors to the twin (which replays what each class really held lately) and to `correction`. Tuned,
+    with `correction`: "types" pays only with the moves (module docstring). The live system's default is
+    its own (`oserve.workers.system.SystemConfig`)."""
     correction: CorrectionConfig | None = field(default_factory=CorrectionConfig)
     """Requests that outgrow the class they were routed as move to a replica of the class they grew into
     (`oserve.correction`): the gateway moves them, and the twin scores every plan with those moves, so a
