@@ -82,19 +82,32 @@ def test_the_true_type_is_the_served_length_s_type(typed) -> None:
 def test_planning_classes_as_types_changes_the_planning_table_and_nothing_else(typed) -> None:
     """`class_lengths="types"` (the plan lever of `oserve bench levers`) plans with the table of the types
     themselves, the one the true-type reference plans with; "estimated" with the prior's (what each
-    estimated class held), and the prior, the static choice and what was measured stay as they were."""
+    estimated class held). The prior, the static deployment chosen on the history (every candidate's P99
+    included), what was measured there, and vllm-reload's table are the same under both."""
+    from dataclasses import replace
+
+    from oserve.evaluation.registry import policy_spec
+
     scenario, reference = typed
     cluster = reference.cluster
-    estimated = prepare(LLAMA, cluster, scenario, CONFIG, needs_static=False).setup
     shapes = reference.ctx.table.shapes(cluster.num_gpus)
-    typed_setup = with_class_lengths(estimated, "types")
-    assert np.array_equal(typed_setup.ctx.table.matrix(shapes), reference.ctx.table.matrix(shapes))
-    back = with_class_lengths(typed_setup, "estimated")
-    assert back.ctx.table is estimated.prior.table
-    assert not np.array_equal(back.ctx.table.matrix(shapes), typed_setup.ctx.table.matrix(shapes))
-    assert typed_setup.prior is estimated.prior and back.prior is estimated.prior
-    assert typed_setup.static == estimated.static and typed_setup.measured == estimated.measured
-    assert typed_setup.ctx.classes is estimated.prior.types
+    prepared = {how: prepare(LLAMA, cluster, scenario, replace(CONFIG, planner=PlannerConfig(class_lengths=how)))
+                for how in ("estimated", "types")}
+    est, typ = prepared["estimated"].setup, prepared["types"].setup
+    assert np.array_equal(typ.ctx.table.matrix(shapes), reference.ctx.table.matrix(shapes))
+    assert np.array_equal(est.ctx.table.matrix(shapes), est.prior.table.matrix(shapes))
+    assert not np.array_equal(est.ctx.table.matrix(shapes), typ.ctx.table.matrix(shapes))
+    assert est.static == typ.static and est.static.replicas
+    assert prepared["estimated"].static_tried == prepared["types"].static_tried
+    assert [(m.deployment, m.p99_s) for m in est.measured] == [(m.deployment, m.p99_s) for m in typ.measured]
+    assert np.array_equal(est.prior.counts, typ.prior.counts) and est.prior.accuracy == typ.prior.accuracy
+    # the lever moved by `with_class_lengths` is the same one
+    assert np.array_equal(with_class_lengths(est, "types").ctx.table.matrix(shapes), typ.ctx.table.matrix(shapes))
+    assert with_class_lengths(typ, "estimated").ctx.table is typ.prior.table
+    # vllm-reload is a baseline: it plans by what the classes carry whatever OServe's lever
+    for setup in (est, typ):
+        reload = policy_spec("vllm-reload").build(setup)
+        assert np.array_equal(reload.ctx.table.matrix(shapes), est.prior.table.matrix(shapes))
 
 
 def test_class_lengths_must_be_a_known_kind(typed) -> None:

@@ -188,8 +188,9 @@ class GatewayConfig:
     """A request that outgrows the class it was routed as (its answer passes the class's bound) into a class its
     replica does not serve is handed back by the engine and continued on a replica that serves that class
     (`Dispatch.move_after_tokens`, `oserve.correction`), as the planner's twin scores it when
-    `PlannerConfig.correction` is set (both off by default: the choice is not yet made on the tuning set);
-    False: it finishes where it was sent."""
+    `PlannerConfig.correction` is set (the simulator's default; the live system sets this from
+    `SystemConfig.move_outgrown`, off by default: see the README, "Correcting after the fact"); False: it
+    finishes where it was sent."""
     max_client_tags: int = 256
     """Distinct `client` tags the estimator learns by (each one is a feature of its regressor); requests
     with a tag beyond them are classed as untagged, so a client minting tags cannot grow the model."""

@@ -8,7 +8,7 @@ dispatches by its freeness, vllm-static-rr by round robin: they are those baseli
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from oserve.errors import UnknownNameError
 from oserve.evaluation.baselines import ReloadPolicy, RoundRobinPolicy, StaticPolicy
@@ -74,7 +74,10 @@ _SPECS = (
     PolicySpec("vllm-static-rr", "the same static deployment with round-robin routing (vLLM's router)",
                lambda s: RoundRobinPolicy(s.static, s.num_classes)),
     PolicySpec("vllm-reload", "the best homogeneous deployment for each span's forecast, switched by reloading",
-               lambda s: ReloadPolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner)),
+               # by the table of what the classes really carry, as the static shape is chosen: OServe's planning
+               # lever (`PlannerConfig.class_lengths`) is OServe's, not the baselines'
+               lambda s: ReloadPolicy(replace(s.ctx, table=s.prior.table), s.prior, s.new_forecaster(), s.span_s,
+                                      s.planner)),
     PolicySpec("llumnix", "the static deployment, freeness dispatch and live migration of running requests",
                lambda s: LlumnixPolicy(s.static, s.num_classes, s.model, s.cluster)),
     PolicySpec("dynamo", "the static shape, replica count scaled from an aggregate forecast, KV-aware routing",
