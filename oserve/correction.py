@@ -15,7 +15,10 @@ stage by stage; only the last stage, one KV block, plus a fixed handshake, stops
 
 The simulator's policies and the twin call `OutgrownMover.plan` every `CorrectionConfig.interval_s` with
 what each replica's engine reports (`oserve.sim.kernel.BalancerView`: the contexts of its running requests,
-never their output lengths); the live gateway does not run it yet.
+never their output lengths). The live gateway applies the same rule by message: the dispatch carries the
+count at which a request outgrows its class (`move_after_tokens`), the engine asks at that count, and the
+gateway says move only to a replica of the grown class with room for its context (`workers.gateway`,
+`MoveAsk`); the live move re-prefills, where the simulator copies the KV.
 """
 
 from __future__ import annotations
@@ -167,9 +170,9 @@ def move_after_tokens(centroids_log: np.ndarray, input_tokens: int, routed_class
                       moves_for: Callable[[int], bool], max_tokens: int) -> int | None:
     """The fewest generated tokens at which a request routed as `routed_class` has outgrown it into a class
     `moves_for(j)` says it must move for (its replica does not serve j, another does); None when that never
-    happens within `max_tokens`. The live gateway sends it with the dispatch, and the engine hands the request
-    back at that count (`streams.schemas.Dispatch.move_after_tokens`); the simulator's `OutgrownMover` applies
-    the same rule by looking at the running requests. Pure.
+    happens within `max_tokens`. The live gateway sends it with the dispatch, and the engine asks to hand the
+    request back at that count (`streams.schemas.Dispatch.move_after_tokens`, `MoveAsk`); the simulator's
+    `OutgrownMover` applies the same rule by looking at the running requests. Pure.
 
     Along a line of fixed input the nearest centroid (`oserve.workload_types`, log space, ties to the lower
     index) changes only where the line crosses the bisector of two centroids, so the class is tried just

@@ -79,9 +79,14 @@ _GROUPS: tuple[_Group, ...] = (
     _Group("replies", _reply_subject, "reply", None, ("reply.v1", "error.v1", "pong.v1", "accepted.v1"),
            "What comes back to the request's reply inbox (a client reads only its own, `_INBOX_<prefix>.<user>.>`). "
            "Every reply message of another kind (a token chunk) arrives here too."),
-    _Group("dispatch", lambda s: s.replica("REPLICA_ID"), "command", None, ("dispatch.v1", "abort.v1"),
-           "Internal: the gateway forwards a validated request to one engine, which replies to the client; and "
-           "aborts it there when its client cancelled it."),
+    _Group("dispatch", lambda s: s.replica("REPLICA_ID"), "command", None,
+           ("dispatch.v1", "abort.v1", "move_answer.v1"),
+           "Internal: the gateway forwards a validated request to one engine, which replies to the client; aborts "
+           "it there when its client cancelled it; and answers the engine's ask to move a request that outgrew "
+           "its class."),
+    _Group("move", lambda s: s.gateway_moves("GATEWAY_ID"), "command", None, ("move_ask.v1",),
+           "Workers only: an engine asks the gateway that dispatched a request that outgrew its class whether to "
+           "hand it back (answered on the engine's dispatch subject)."),
     _Group("arrivals", Subjects.arrivals, "event", Subjects.stream_arrivals, ("arrived.v1",),
            "Requests the gateways accepted (batched)."),
     _Group("completions", Subjects.completions, "event", Subjects.stream_completions, ("completed.v1",),

@@ -197,9 +197,10 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     """Set when the request migrated from a retiring replica in a switch (`Completed.migrated`): continue
     from what it generated there."""
     move_after_tokens: PosTokens | None = None
-    """Hand the request back (`Completed.migrated`, as in a switch) once its answer has this many tokens: it
-    will then have outgrown the class it was routed as into one this replica does not serve, and its gateway
-    continues it on a replica that does (`oserve.correction.move_after_tokens`). None: it finishes here."""
+    """Once its answer has this many tokens it has outgrown the class it was routed as into one this replica
+    does not serve (`oserve.correction.move_after_tokens`): the engine then asks its gateway whether to move it
+    (`MoveAsk`), and hands it back (`Completed.migrated`, as in a switch) only when told to (`MoveAnswer.go`),
+    for the gateway to continue it on a replica that serves that class and has room. None: it finishes here."""
     recovered: bool = False
     """Sent again by a gateway restarted after a crash, which took the request back from its journal: an engine
     that answered it already releases it without answering again (the answer went out in the same write as its
@@ -276,6 +277,37 @@ class AbortRequest(_Msg, frozen=True, kw_only=True, tag="abort.v1"):
     """The client's `CancelRequest.reason`."""
     answered: bool = False
     """The gateway answered the client itself (`deadline_exceeded`): the engine drops the request silently."""
+
+
+class MoveAsk(_Msg, frozen=True, kw_only=True, tag="move_ask.v1"):
+    """An engine asks the gateway that dispatched a request whether to hand it back: its answer passed
+    `Dispatch.move_after_tokens`, so it outgrew the class it was routed as.
+
+    Sent on the gateway's own subject (`Subjects.gateway_moves`). The gateway answers with a `MoveAnswer` on
+    the replica's dispatch subject: `go` when a replica that serves the class the request grew into has room in
+    its KV cache for its context (it reserves that room), else stay, and the engine asks again a clock second
+    later while the request runs. A request moved to a full replica would queue there behind that replica's own
+    (the simulator's mover waits for room too: `oserve.correction.OutgrownMover`)."""
+
+    request_id: Id
+    inbox: Annotated[str, Meta(min_length=1, max_length=256)]
+    """The reply inbox the request was dispatched with (with `request_id`, which request)."""
+    replica_id: str
+    """The replica asking (the answer goes to its dispatch subject)."""
+    generated_tokens: PosTokens
+    """Tokens of the answer so far (with the input, its class so far and its context)."""
+
+
+class MoveAnswer(_Msg, frozen=True, kw_only=True, tag="move_answer.v1"):
+    """A gateway's answer to a `MoveAsk`, on the asking replica's dispatch subject (only gateways publish there).
+    `go`: hand the request back now; the gateway continues it on `target`, whose room it reserved (on another
+    replica should `target` have stopped accepting meanwhile). Not `go`: keep serving it, and ask again later."""
+
+    request_id: Id
+    inbox: Annotated[str, Meta(min_length=1, max_length=256)]
+    go: bool
+    target: str = ""
+    """The replica it will be continued on (empty unless `go`)."""
 
 
 class ErrorReply(_Msg, frozen=True, kw_only=True, tag="error.v1"):

@@ -100,6 +100,10 @@ class Subjects:
     def ownerships(self) -> str:
         return f"{self.prefix}.own.*"
 
+    def gateway_moves(self, gateway_id: str) -> str:
+        """Where engines ask one gateway whether to move a request that outgrew its class (`MoveAsk`)."""
+        return f"{self.prefix}.gw.{_check_token('gateway_id', gateway_id)}.move"
+
     def plan_event(self, kind: str) -> str:
         """Control-plane events: `forecast`, `strategy`, `switch`, `replica`, `assignment`."""
         return f"{self.prefix}.plan.{_check_token('kind', kind)}"
@@ -209,6 +213,11 @@ def owner_of(gateway_id: str, reply: str) -> str:
 
 MAX_REPLY_CHARS = 256
 _REPLY_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def gateway_of(owner: str) -> str:
+    """The gateway id of an `owner_of` string (empty for an empty owner: an older gateway's dispatch). Pure."""
+    return owner.split(" ", 1)[0]
 
 
 def reply_error(reply: str, roots: tuple[str, ...]) -> str | None:

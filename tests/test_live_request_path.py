@@ -1053,12 +1053,15 @@ async def test_a_hand_back_held_for_want_of_a_replica_is_still_no_failed_attempt
     await asyncio.wait_for(main(), 30)
 
 
-@pytest.mark.parametrize("move", [True, False])
-async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_the_class_it_grew_into(server, move):
+@pytest.mark.parametrize("move, room", [(True, True), (False, True), (True, False)])
+async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_the_class_it_grew_into(server, move,
+                                                                                                     room):
     """Two classes of one prompt length, short answers on r0 and long ones on r1. Requests the gateway classes
-    short (their hint says 40 tokens) that answer 1,200 are handed back by r0 once they pass the class
-    boundary and finish on r1 with every token, once (`Dispatch.move_after_tokens`); short answers stay on r0.
-    With `move_outgrown` off they all finish on r0."""
+    short (their hint says 40 tokens) that answer 1,200 pass the class boundary on r0, which asks the gateway
+    (`MoveAsk`); told to move, r0 hands them back and they finish on r1 with every token, once
+    (`Dispatch.move_after_tokens`); short answers stay on r0. With `move_outgrown` off they all finish on r0.
+    When r1 has no room for them (`move_room_frac` leaves none) the gateway says stay, each time r0 asks again,
+    and they finish on r0 too: a request is never moved onto a full replica."""
     import numpy as np
 
     from oserve.online_types import OnlineTypes
@@ -1074,7 +1077,8 @@ async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_th
         async with AsyncExitStack() as stack:
             nc, subjects, gw, engines, client = await start_system(
                 stack, server.url, estimator=OnlineTypes(types),
-                gateway_kwargs={"surplus_window_s": 1e9, "move_outgrown": move})
+                gateway_kwargs={"surplus_window_s": 1e9, "move_outgrown": move,
+                                "move_room_frac": 1.0 if room else 1e-9})
             await nc.publish(subjects.plan_event("assignment"),
                              encode(AssignmentSet(strategy_id="s1", weights=weights)))
             await wait_until(lambda: gw.strategy_id == "s1", 5, "the assignment")
@@ -1086,12 +1090,17 @@ async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_th
             assert all(isinstance(r, Reply) for r in replies)
             assert [r.output_tokens for r in replies] == [1200] * 6 + [40] * 6
             assert {r.replica_id for r in replies[6:]} == {"r0"}
-            if move:
+            if move and room:
                 assert {r.replica_id for r in replies[:6]} == {"r1"}
                 assert engines[0].num_moved_outgrown == 6 and gw.num_moved_outgrown == 6
+                assert engines[0].num_move_asks == gw.num_move_asks == 6 and gw.num_move_stays == 0
             else:
                 assert {r.replica_id for r in replies[:6]} == {"r0"}
                 assert engines[0].num_moved_outgrown == 0 and gw.num_moved_outgrown == 0
+            if move and not room:  # asked, told to stay, asked again a clock second later while they ran
+                assert engines[0].num_move_asks > 6 and gw.num_move_stays == gw.num_move_asks > 6
+            if not move:
+                assert engines[0].num_move_asks == 0 and gw.num_move_asks == 0
             await wait_until(lambda: not gw.pending, 5, "every completion")
 
     await asyncio.wait_for(main(), 60)

@@ -34,8 +34,10 @@
   heard of the hand-over) is dropped there. With greedy sampling on replicas that compute alike it is token
   for token the answer without a switch (`tests/test_live_switch.py`).
 - Moving what outgrew its class (`Dispatch.move_after_tokens`): once a request's answer reaches that count
-  it is handed back the same way at the next step end (`_move_outgrown`); its gateway continues it on a
-  replica of the class it grew into (`oserve.correction`).
+  the engine asks its gateway whether to move it (`MoveAsk`, on the gateway's own subject) and goes on
+  serving it. Told to (`MoveAnswer.go`: a replica of the class it grew into has room), it hands it back the
+  same way at once (`_move_outgrown`) and its gateway continues it there (`oserve.correction`); told to stay,
+  or unanswered, it asks again `move_check_interval_s` later, while the request runs.
 - Liveness: a `Heartbeat` every `heartbeat_interval_wall_s`, with the load and the backend's cumulative
   busy and saturated seconds (what the scheduler learns capacity from); load and latency as `Telemetry`
   every `telemetry_interval_s` of clock time.
@@ -72,9 +74,9 @@ from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import (GEN_AI_PROVIDER, extract, genai_span_name, inject, messaging_attributes,
                                           trace_headers)
 from oserve.streams.schemas import (EVENT_BATCH_ITEMS, MAX_MESSAGE_BYTES, MAX_RESUME_TOKENS, AbortRequest, Completed,
-                                    Completion, Dispatch, ErrorCode, ErrorReply, Heartbeat, Migration, Reply,
-                                    ReplyChunk, Resume, SchemaError, Telemetry, decode, encode)
-from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
+                                    Completion, Dispatch, ErrorCode, ErrorReply, Heartbeat, Migration, MoveAnswer,
+                                    MoveAsk, Reply, ReplyChunk, Resume, SchemaError, Telemetry, decode, encode)
+from oserve.streams.subjects import Subjects, dedupe_key, gateway_of, owner_of, reply_error
 from oserve.workers.backends import Backend, EchoBackend, Finished, Job, SimBackend, SimBackendConfig
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -125,8 +127,8 @@ class EngineWorkerConfig:
     """Clock seconds between two chunks of a streamed answer (a few decode steps of a 7B model)."""
     move_check_interval_s: float = 1.0
     """Clock seconds between two looks at the answers' lengths of requests that may outgrow their class
-    (`Dispatch.move_after_tokens`; the simulator's gateway looks as often, `oserve.correction.CorrectionConfig`).
-    Step ends between them look too."""
+    (`Dispatch.move_after_tokens`; the simulator's gateway looks as often, `oserve.correction.CorrectionConfig`),
+    and between two asks to move the same request (`MoveAsk`). Step ends between them look too."""
     max_waiting: int = 8192
     """Requests waiting (not yet running) in the backend beyond which a new dispatch is refused `overloaded`
     (the gateway refuses earlier, by the replica's measured rate; this bounds what a stale view lets in)."""
@@ -238,6 +240,9 @@ class EngineWorker(Worker):
         self.num_fenced = 0  # times this replica fenced itself after a stall
         self.num_migrated = 0  # requests handed over mid-answer to a switch's new replicas
         self.num_moved_outgrown = 0  # requests handed back mid-answer for outgrowing their class (`_move_outgrown`)
+        self.num_move_asks = 0  # `MoveAsk`s sent (a request told to stay asks again later)
+        self._move_asked: dict[int, float] = {}  # seq -> clock time before which it is not asked about again
+        self._move_go: set[int] = set()  # seqs whose gateway said to move them (`MoveAnswer.go`)
         self._move_after: dict[int, int] = {}  # seq -> `Dispatch.move_after_tokens` of requests in flight
         self._move_tick_s: float | None = None  # next look at their lengths (`move_check_interval_s`)
         self.num_stale_handed = 0  # copies of handed-over or handed-back requests that came after, dropped
@@ -341,7 +346,7 @@ class EngineWorker(Worker):
     async def _handle(self, msg: Msg) -> None:
         self.num_received += 1
         try:
-            d = decode(msg.data, Dispatch | AbortRequest)
+            d = decode(msg.data, Dispatch | AbortRequest | MoveAnswer)
         except SchemaError as exc:
             self.num_errors += 1
             if msg.reply:
@@ -349,6 +354,9 @@ class EngineWorker(Worker):
             return
         if isinstance(d, AbortRequest):
             await self._abort(d)
+            return
+        if isinstance(d, MoveAnswer):
+            self._move_answer(d)
             return
         assert isinstance(d, Dispatch)
         if msg.reply and reply_error(msg.reply, self._reply_roots) is not None:
@@ -506,18 +514,46 @@ class EngineWorker(Worker):
             log.info("%s: %d requests handed over to the new deployment", self.config.replica_id, handed)
 
     async def _move_outgrown(self, now_s: float) -> None:
-        """Hand back the requests whose answers reached their `Dispatch.move_after_tokens`: they outgrew the class
-        they were routed as into one this replica does not serve (`_hand_over`; the gateway continues them)."""
-        due = []
+        """Requests whose answers reached their `Dispatch.move_after_tokens` outgrew the class they were routed as
+        into one this replica does not serve: ask their gateway whether to move each (`MoveAsk`), at most once
+        per `move_check_interval_s`, and hand back those it said to move (`_hand_over`; it continues them)."""
+        due, asks = [], []
         for seq, after in list(self._move_after.items()):
             item = self._inflight.get(seq)
             if item is None:
-                del self._move_after[seq]
-            elif self.backend.generated_tokens(seq, now_s) >= after:
-                del self._move_after[seq]
+                self._forget_move(seq)
+            elif seq in self._move_go:
+                self._forget_move(seq)
                 due.append(item)
+            elif self._move_asked.get(seq, float("-inf")) <= now_s and \
+                    (generated := self.backend.generated_tokens(seq, now_s)) >= after:
+                self._move_asked[seq] = now_s + self.config.move_check_interval_s
+                asks.append((item, generated))
         if due and not self._stalled():
             self.num_moved_outgrown += await self._hand_over(due, now_s)
+        for item, generated in asks:
+            gateway_id = gateway_of(item.owner)
+            if not gateway_id:
+                continue  # no gateway named to ask: it finishes here
+            self.num_move_asks += 1
+            await self.nc.publish(self.config.subjects.gateway_moves(gateway_id), encode(MoveAsk(
+                request_id=item.job.request_id, inbox=item.reply, replica_id=self.config.replica_id,
+                generated_tokens=max(1, generated))))
+
+    def _forget_move(self, seq: int) -> None:
+        self._move_after.pop(seq, None)
+        self._move_asked.pop(seq, None)
+        self._move_go.discard(seq)
+
+    def _move_answer(self, a: MoveAnswer) -> None:
+        """Its gateway's answer to a `MoveAsk`: `go` marks the request to be handed back at once (the step loop
+        wakes for it); otherwise it stays, and is asked about again later. One not in flight here is ignored."""
+        seq = self._by_id.get(dedupe_key(a.inbox, a.request_id))
+        if seq is None or seq not in self._move_after or not a.go:
+            return
+        self._move_go.add(seq)
+        self._move_tick_s = self.clock.now_s()
+        self._wake.set()
 
     async def _hand_over(self, items: list[_InFlight], now_s: float) -> int:
         """Hand `items` over to their gateway to be continued elsewhere: each is dropped here, its KV freed, and
@@ -540,7 +576,7 @@ class EngineWorker(Worker):
             # out of flight before anything is awaited: from here on nothing answers it on this replica
             self._inflight.pop(job.seq, None)
             self._by_id.pop(item.key, None)
-            self._move_after.pop(job.seq, None)
+            self._forget_move(job.seq)
             _remember(self._handed_keys, item.key, None)
             chunk = None
             if job.seq in self._streams and tokens > item.sent_tokens:  # the client gets all of it before it moves

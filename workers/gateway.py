@@ -57,6 +57,12 @@
   when the cancel names an inbox with the prefix the request was accepted under (`dedupe_key`: only its
   client knows it), forgets it and sends an `AbortRequest` to its replica's dispatch subject (after the
   dispatch, so the engine reads them in order). Any other cancel is ignored (`num_cancels_ignored`).
+- Moving what outgrew its class (`move_outgrown`): a dispatch carries the answer's length at which the
+  request outgrows its class (`Dispatch.move_after_tokens`); its engine then asks (`MoveAsk`, on
+  `Subjects.gateway_moves`), and the gateway says go (`MoveAnswer`, on the replica's dispatch subject) only
+  when a replica the assignment gives the class it grew into has room in its KV cache for its context, and
+  reserves it; the handed-back request is continued there (`_redispatch(to=)`). Otherwise it stays where it
+  is and its engine asks again later: moved onto a full replica it would queue behind that replica's own.
 - Held requests are published in `Arrived` events with `replica_id` "" (none yet).
 - Accepted requests are published as batched `Arrived` events (captured by the arrivals stream).
 """
@@ -88,8 +94,8 @@ from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
 from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Accepted, Arrival, Arrived,
                                     AssignmentSet,
-                                    CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, Owned,
-                                    Ping, Pong, SchemaError, Settled, SubmitRequest, decode, decode_submit, encode, fingerprint,
+                                    CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, MoveAnswer,
+                                    MoveAsk, Owned, Ping, Pong, SchemaError, Settled, SubmitRequest, decode, decode_submit, encode, fingerprint,
                                     request_id_of)
 from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.base import Worker
@@ -191,6 +197,9 @@ class GatewayConfig:
     `PlannerConfig.correction` is set (the simulator's default; the live system sets this from
     `SystemConfig.move_outgrown`, off by default: see the README, "Correcting after the fact"); False: it
     finishes where it was sent."""
+    move_room_frac: float = 1.0
+    """A request that outgrew its class moves only to a replica whose KV load (its last heartbeat's plus what was
+    sent and reserved since) stays at or under this fraction with the request's context added."""
     max_client_tags: int = 256
     """Distinct `client` tags the estimator learns by (each one is a feature of its regressor); requests
     with a tag beyond them are classed as untagged, so a client minting tags cannot grow the model."""
@@ -214,6 +223,8 @@ class GatewayConfig:
             raise ConfigError(f"GatewayConfig.surplus_window_s must be > 0, got {self.surplus_window_s}")
         if not 0 < self.plan_share <= 1:
             raise ConfigError(f"GatewayConfig.plan_share must be in (0, 1], got {self.plan_share}")
+        if not 0 < self.move_room_frac <= 1:
+            raise ConfigError(f"GatewayConfig.move_room_frac must be in (0, 1], got {self.move_room_frac}")
         if not self.no_replica_wait_wall_s >= 0:
             raise ConfigError(f"GatewayConfig.no_replica_wait_wall_s must be >= 0, got {self.no_replica_wait_wall_s}")
 
@@ -314,6 +325,8 @@ class _Pending:
     """What the request asks (`oserve.streams.schemas.fingerprint`): a reused id with other content is refused."""
     free_retry: bool = False
     """Held after a hand-back or a migration no replica could take at once: its next dispatch is no failed attempt."""
+    move_to: str | None = None
+    """The replica whose room was reserved for it when its engine was told to move it (`MoveAnswer.target`)."""
 
 
 class Gateway(Worker):
@@ -364,6 +377,8 @@ class Gateway(Worker):
         self.num_requeued = 0  # requests a fenced engine handed back (`Completed.requeue`)
         self.num_migrated = 0  # requests a retiring replica handed over mid-answer (`Completed.migrated`)
         self.num_moved_outgrown = 0  # of those, requests continued in the class they grew into (`move_outgrown`)
+        self.num_move_asks = 0  # `MoveAsk`s about requests it holds
+        self.num_move_stays = 0  # of those, answered "stay": no replica of the class grown into had room
         self.num_disconnects = 0  # liveness checks that found this gateway itself cut off from NATS
         self._reply_roots = config.reply_roots or (config.subjects.reply_prefix(), "_INBOX")
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
@@ -401,6 +416,7 @@ class Gateway(Worker):
             subs.append(await self.nc.subscribe(s.completions(), cb=self._on_completed))
         return subs + [
             await self.nc.subscribe(s.plan_event("assignment"), cb=self._on_assignment),
+            await self.nc.subscribe(s.gateway_moves(self.config.gateway_id), cb=self._on_move_ask),
             await self.nc.subscribe(s.cancel(), cb=self._on_cancel),  # all gateways: the owner acts
             await self.nc.subscribe(s.users_cancel(), cb=self._on_cancel),
             # last, both: a drain unsubscribes them first
@@ -561,6 +577,52 @@ class Gateway(Worker):
                                                        for rid, v in w.items())
 
         return move_after_tokens(self.estimator.centroids_log, input_tokens, type_index, moves_for, max_tokens)
+
+    async def _on_move_ask(self, msg: Msg) -> None:
+        """An engine asks whether to move a request that outgrew its class (`MoveAsk`): go, with room reserved on
+        the replica that will continue it, when one the assignment gives the class it grew into has room for its
+        context (`_move_target`); else stay. Answered on the asking replica's dispatch subject."""
+        try:
+            a = decode(msg.data, MoveAsk)
+        except SchemaError:
+            self.num_errors += 1
+            return
+        assert isinstance(a, MoveAsk)
+        p = self.pending.get(a.request_id)
+        if p is None or p.reply != a.inbox or p.replica_id != a.replica_id or a.replica_id not in self._replicas:
+            return  # not ours, answered, or moved already: the engine's request finishes where it is
+        self.num_move_asks += 1
+        target = None
+        if self.config.move_outgrown and self.estimator is not None:
+            d = p.dispatch
+            grown = self._class_so_far(d.type_index, d.input_tokens, a.generated_tokens)
+            if grown != d.type_index:
+                target = self._move_target(grown, a.replica_id, d.input_tokens + a.generated_tokens)
+        if target is None:
+            self.num_move_stays += 1
+        else:
+            p.move_to = target
+            self._replicas[target].sent_tokens += p.dispatch.input_tokens + a.generated_tokens + 1  # its room, held
+        await self.nc.publish(self.config.subjects.replica(a.replica_id), encode(MoveAnswer(
+            request_id=a.request_id, inbox=a.inbox, go=target is not None, target=target or "")))
+
+    def _move_target(self, grown: int, source: str, context_tokens: int) -> str | None:
+        """The least loaded replica, other than `source`, that the assignment gives class `grown` and that has room
+        for `context_tokens` more in its KV cache (`move_room_frac`); None when none has. Like the simulator's
+        mover (`oserve.correction.OutgrownMover.plan`), it never moves a request onto a full replica."""
+        weights = self._weights
+        w = weights[grown] if weights is not None and grown < len(weights) else {}
+        best, best_key = None, None
+        for rid in self._eligible:
+            r = self._replicas[rid]
+            if rid == source or w.get(rid, 0.0) <= 0 or not r.accepting or r.kv_capacity_tokens <= 0:
+                continue
+            if r.kv_load_frac + (context_tokens + 1) / r.kv_capacity_tokens > self.config.move_room_frac:
+                continue
+            key = (r.kv_load_frac, r.num_requests, rid)
+            if best_key is None or key < best_key:
+                best, best_key = rid, key
+        return best
 
     def _class_so_far(self, type_index: int, input_tokens: int, generated_tokens: int) -> int:
         """The class of a request handed back mid-answer: the one its answer so far puts it in when it has
@@ -869,7 +931,8 @@ class Gateway(Worker):
                 # one that outgrew its class left a replica that does not serve the class it grew into: not
                 # back there (as when its class came beyond its plan) while another replica takes it
                 await self._redispatch(m.request_id, p, migrated=True,
-                                       avoid=c.replica_id if grown != d.type_index else None)
+                                       avoid=c.replica_id if grown != d.type_index else None,
+                                       to=p.move_to if grown != d.type_index else None)
 
     def _held(self, request_id: str, owner: str) -> _Pending | None:
         """The request this gateway holds under `request_id`, if a `Completed` entry naming `owner` is about it:
@@ -883,11 +946,12 @@ class Gateway(Worker):
     # --- nothing lost --------------------------------------------------------------------------------
 
     async def _redispatch(self, rid: str, p: _Pending, *, migrated: bool = False,
-                          handed_back: bool = False, avoid: str | None = None) -> None:
+                          handed_back: bool = False, avoid: str | None = None, to: str | None = None) -> None:
         """Dispatch a held request again: its replica died (a failed attempt), or it was `handed_back` by a
         replica that fenced itself (it stalled: a slow host, not a request that kills engines), or `migrated`
         in a switch; neither of the last two is a failed attempt, and the request's deadline still bounds how
-        often it can come back. A replica to `avoid` (`_route`) besides the one that handed it back."""
+        often it can come back. A replica to `avoid` (`_route`) besides the one that handed it back; one to send it
+        `to` (where room was reserved for it) while that one accepts."""
         first = p.wait_until_wall_s is not None  # held since it came in: this is its first dispatch
         free = first or migrated or handed_back or p.free_retry
         attempt = p.dispatch.attempt + (0 if free else 1)
@@ -903,7 +967,9 @@ class Gateway(Worker):
                     message=f"no replica answered after {attempt} dispatches")))
             return
         # a hand-back comes from a replica that stalled: another one takes it when any accepts
-        target = self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else avoid)
+        p.move_to = None
+        target = to if to is not None and to in self._eligible and self._replicas[to].accepting else \
+            self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else avoid)
         if target is None:
             p.replica_id = None  # retried when a replica becomes eligible, and on liveness ticks
             p.free_retry = free and not first

@@ -102,8 +102,10 @@ class SystemConfig:
     Off live, unlike in the simulator: on the demo's workload (`oserve demo --no-static`, TP4 + TP4 in every
     run) the live P99 was 26.0 s with "estimated" and no moves, 26.3 s with "types" and no moves, and
     46.0 s with "types" and the moves (41.4 s in a second run); the simulator, on the same workload with
-    the live budget of twin scorings, chose one TP4xPP2 and moved nothing, so it never priced this. Why a
-    live move costs that much (a hand-back and re-prefill, where the simulator moves the KV) is open."""
+    the live budget of twin scorings, chose one TP4xPP2 and moved nothing, so it never priced this. With the
+    engine asking before it moves a request and the gateway moving it only where there is room (`MoveAsk`),
+    "types" with the moves still gave 38.3 s and 57.8 s against 26.4 s (README, "Correcting after the
+    fact"): a live move re-prefills, where the simulator moves the KV."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""

@@ -337,6 +337,10 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
                           if hasattr(e.backend, "start_wall_s")}
                 if starts:
                     result["engine_start_wall_s"] = starts
+            if system.gateway is not None:  # requests that outgrew their class (`SystemConfig.move_outgrown`)
+                gw = system.gateway
+                result["outgrown"] = {"asks": gw.num_move_asks, "stays": gw.num_move_stays,
+                                      "moved": gw.num_moved_outgrown}
             if system.scheduler is not None:
                 result["num_over_budget"] = system.scheduler.num_over_budget
                 result.update(learned_summary(system.scheduler.planner, system.scheduler.current))
