@@ -24,7 +24,7 @@ KINDS = {"submit": sc.SubmitRequest, "dispatch": sc.Dispatch, "reply": sc.Reply,
          "assignment": sc.AssignmentSet, "reply_chunk": sc.ReplyChunk, "cancel": sc.CancelRequest,
          "abort": sc.AbortRequest, "start_replica": sc.StartReplica, "send_weights": sc.SendWeights,
          "weights_received": sc.WeightsReceived, "drain_replica": sc.DrainReplica,
-         "switch_completed": sc.SwitchCompleted}
+         "switch_completed": sc.SwitchCompleted, "move_ask": sc.MoveAsk, "move_answer": sc.MoveAnswer}
 
 
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.name)
