@@ -1053,6 +1053,26 @@ async def test_a_hand_back_held_for_want_of_a_replica_is_still_no_failed_attempt
     await asyncio.wait_for(main(), 30)
 
 
+async def test_a_dispatch_that_names_no_gateway_to_ask_finishes_where_it_is(server) -> None:
+    """A request past its `move_after_tokens` whose dispatch names a gateway id that is no subject token (or none)
+    cannot be asked about: it finishes on its replica with every token, and the engine goes on serving."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            nc, subjects, gw, engines, client = await start_system(stack, server.url, replica_ids=("r0",))
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            for gateway_id in ("a.b", ""):
+                await nc.publish(subjects.replica("r0"), encode(Dispatch(
+                    request_id=f"odd{len(gateway_id)}", input_tokens=100, max_tokens=50, sim_output_tokens=50,
+                    type_index=0, gateway_id=gateway_id, move_after_tokens=1)), reply=inbox)
+                reply = decode((await sub.next_msg(timeout=10)).data, Reply)
+                assert isinstance(reply, Reply) and reply.output_tokens == 50
+            assert engines[0].num_move_asks == 0 and engines[0].num_moved_outgrown == 0
+            assert isinstance(await client.submit(input_tokens=20, max_tokens=5), Reply)  # still serving
+
+    await asyncio.wait_for(main(), 30)
+
+
 @pytest.mark.parametrize("move, room", [(True, True), (False, True), (True, False)])
 async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_the_class_it_grew_into(server, move,
                                                                                                      room):
@@ -1093,7 +1113,8 @@ async def test_a_request_that_outgrows_its_class_is_continued_on_a_replica_of_th
             if move and room:
                 assert {r.replica_id for r in replies[:6]} == {"r1"}
                 assert engines[0].num_moved_outgrown == 6 and gw.num_moved_outgrown == 6
-                assert engines[0].num_move_asks == gw.num_move_asks == 6 and gw.num_move_stays == 0
+                # one ask each, unless one was asked again before its answer came: answered go again, not stay
+                assert engines[0].num_move_asks >= 6 and gw.num_move_asks >= 6 and gw.num_move_stays == 0
             else:
                 assert {r.replica_id for r in replies[:6]} == {"r0"}
                 assert engines[0].num_moved_outgrown == 0 and gw.num_moved_outgrown == 0

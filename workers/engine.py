@@ -523,20 +523,23 @@ class EngineWorker(Worker):
             if item is None:
                 self._forget_move(seq)
             elif seq in self._move_go:
-                self._forget_move(seq)
                 due.append(item)
             elif self._move_asked.get(seq, float("-inf")) <= now_s and \
                     (generated := self.backend.generated_tokens(seq, now_s)) >= after:
                 self._move_asked[seq] = now_s + self.config.move_check_interval_s
                 asks.append((item, generated))
-        if due and not self._stalled():
+        if due and not self._stalled():  # a stalled replica keeps them marked, and hands them back once it is not
             self.num_moved_outgrown += await self._hand_over(due, now_s)
+            for item in due:  # handed back, or finishing here (`_hand_over`'s limits): either way, not asked about again
+                self._forget_move(item.job.seq)
         for item, generated in asks:
-            gateway_id = gateway_of(item.owner)
-            if not gateway_id:
-                continue  # no gateway named to ask: it finishes here
+            try:
+                subject = self.config.subjects.gateway_moves(gateway_of(item.owner))
+            except ConfigError:  # no gateway named (an older one), or an id that is no subject token
+                self._forget_move(item.job.seq)  # it finishes here
+                continue
             self.num_move_asks += 1
-            await self.nc.publish(self.config.subjects.gateway_moves(gateway_id), encode(MoveAsk(
+            await self.nc.publish(subject, encode(MoveAsk(
                 request_id=item.job.request_id, inbox=item.reply, replica_id=self.config.replica_id,
                 generated_tokens=max(1, generated))))
 
@@ -808,7 +811,9 @@ class EngineWorker(Worker):
                 await self._finish(done)
             if self._move_after:
                 await self._move_outgrown(now_s)
-            self._move_tick_s = now_s + self.config.move_check_interval_s if self._move_after else None
+            # a go that came while this pass awaited is acted on at once, not an interval later
+            self._move_tick_s = (now_s if self._move_go else now_s + self.config.move_check_interval_s) \
+                if self._move_after else None
             if self._streams:
                 await self._send_chunks(now_s)
             else:

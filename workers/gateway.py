@@ -192,8 +192,9 @@ class GatewayConfig:
     None: the clients' prefix (`Subjects.reply_prefix()`) and nats-py's default `_INBOX`."""
     move_outgrown: bool = False
     """A request that outgrows the class it was routed as (its answer passes the class's bound) into a class its
-    replica does not serve is handed back by the engine and continued on a replica that serves that class
-    (`Dispatch.move_after_tokens`, `oserve.correction`), as the planner's twin scores it when
+    replica does not serve is moved: its engine asks (`MoveAsk`), and hands it back to be continued on a replica
+    that serves that class only when the gateway finds one with room (`Dispatch.move_after_tokens`,
+    `oserve.correction`), as the planner's twin scores it when
     `PlannerConfig.correction` is set (the simulator's default; the live system sets this from
     `SystemConfig.move_outgrown`, off by default: see the README, "Correcting after the fact"); False: it
     finishes where it was sent."""
@@ -327,6 +328,10 @@ class _Pending:
     """Held after a hand-back or a migration no replica could take at once: its next dispatch is no failed attempt."""
     move_to: str | None = None
     """The replica whose room was reserved for it when its engine was told to move it (`MoveAnswer.target`)."""
+    move_class: int | None = None
+    """The class it grew into, as judged when its engine was told to move it: it is continued in that class."""
+    move_reserved: int = 0
+    """The tokens reserved for it on `move_to` (taken off again when it is dispatched there)."""
 
 
 class Gateway(Worker):
@@ -593,16 +598,21 @@ class Gateway(Worker):
             return  # not ours, answered, or moved already: the engine's request finishes where it is
         self.num_move_asks += 1
         target = None
-        if self.config.move_outgrown and self.estimator is not None:
+        if p.move_to is not None and p.move_to in self._eligible:
+            target = p.move_to  # asked again before the answer arrived: the same answer, no second reservation
+        elif self.config.move_outgrown and self.estimator is not None and self._weights is not None:
             d = p.dispatch
             grown = self._class_so_far(d.type_index, d.input_tokens, a.generated_tokens)
-            if grown != d.type_index:
+            w = self._weights[grown] if grown < len(self._weights) else {}
+            if grown != d.type_index and w.get(a.replica_id, 0.0) <= 0:  # (its replica may serve it by now)
                 target = self._move_target(grown, a.replica_id, d.input_tokens + a.generated_tokens)
+                if target is not None:
+                    p.move_to, p.move_class = target, grown
+                    p.move_reserved = d.input_tokens + a.generated_tokens + 1
+                    self._replicas[target].sent_tokens += p.move_reserved  # its room, held until its next heartbeat
         if target is None:
             self.num_move_stays += 1
-        else:
-            p.move_to = target
-            self._replicas[target].sent_tokens += p.dispatch.input_tokens + a.generated_tokens + 1  # its room, held
+            p.move_to, p.move_class, p.move_reserved = None, None, 0
         await self.nc.publish(self.config.subjects.replica(a.replica_id), encode(MoveAnswer(
             request_id=a.request_id, inbox=a.inbox, go=target is not None, target=target or "")))
 
@@ -924,7 +934,9 @@ class Gateway(Worker):
             if p is not None and p.replica_id == c.replica_id:
                 self.num_migrated += 1
                 d = p.dispatch
-                grown = self._class_so_far(d.type_index, d.input_tokens, m.resume.num_tokens)
+                # the class it was told to move for (the estimator's centroids may have moved since)
+                grown = p.move_class if p.move_class is not None else \
+                    self._class_so_far(d.type_index, d.input_tokens, m.resume.num_tokens)
                 if grown != d.type_index:
                     self.num_moved_outgrown += 1
                 p.dispatch = msgspec.structs.replace(d, resume=m.resume, type_index=grown)
@@ -967,9 +979,14 @@ class Gateway(Worker):
                     message=f"no replica answered after {attempt} dispatches")))
             return
         # a hand-back comes from a replica that stalled: another one takes it when any accepts
-        p.move_to = None
-        target = to if to is not None and to in self._eligible and self._replicas[to].accepting else \
-            self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else avoid)
+        reserved = p.move_reserved if to is not None and to == p.move_to else 0
+        p.move_to, p.move_class, p.move_reserved = None, None, 0
+        if to is not None and to in self._eligible and self._replicas[to].accepting:
+            target = to
+            r = self._replicas[to]
+            r.sent_tokens = max(0, r.sent_tokens - reserved)  # the reservation becomes this dispatch's load (`_sent`)
+        else:
+            target = self._route(p.dispatch.type_index, avoid=p.replica_id if handed_back else avoid)
         if target is None:
             p.replica_id = None  # retried when a replica becomes eligible, and on liveness ticks
             p.free_retry = free and not first
