@@ -115,3 +115,26 @@ def test_class_lengths_must_be_a_known_kind(typed) -> None:
         PlannerConfig(class_lengths="guessed")
     with pytest.raises(ConfigError, match="class_lengths"):
         planning_table(typed[1].prior, "guessed")
+
+
+def test_levers_move_with_the_correction_the_config_gives(monkeypatch) -> None:
+    """`levers` runs its move variants with `config.planner.correction` when no correction is handed in, and
+    its no-move variants with none (before, the config's correction was ignored for the defaults)."""
+    import oserve.evaluation.uncertainty as uncertainty
+    from oserve.correction import CorrectionConfig
+
+    seen = []
+
+    class Recording(uncertainty.OServePolicy):
+        def __init__(self, *args, **kwargs) -> None:
+            seen.append(args[4].correction)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(uncertainty, "OServePolicy", Recording)
+    cluster = cluster_for_gpus(8)
+    mine = CorrectionConfig(interval_s=2.5, max_moves_per_round=3)
+    config = EvalConfig(static_candidates=1, bound=False, planner=PlannerConfig(correction=mine))
+    curve = uncertainty.levers(LLAMA, cluster, build_scenario("S5", LLAMA, cluster, load=0.8, minutes=1.0), config,
+                               variants=(("types", "types", False), ("types + moves", "types", True)))
+    assert [p.label for p in curve.points] == ["types", "types + moves"]
+    assert seen == [None, mine]

@@ -128,11 +128,13 @@ def with_class_lengths(setup: Setup, class_lengths: str) -> Setup:
 
 
 def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: EvalConfig = EvalConfig(),
-           correction: CorrectionConfig = CorrectionConfig(), variants: tuple[tuple[str, str, bool], ...] = LEVERS,
+           correction: CorrectionConfig | None = None, variants: tuple[tuple[str, str, bool], ...] = LEVERS,
            progress: Callable[[str], None] | None = None) -> Curve:
     """vllm-static and OServe with its estimator under each of `variants` (module docstring), on the
     scenario's window; each OServe is the product's policy (`oserve` in `oserve.evaluation.registry`)
-    with only the two levers set."""
+    with only the two levers set. The moves, where a variant has them, are `correction`, else the
+    config's planner's (`config.planner.correction`), else the defaults of `CorrectionConfig`."""
+    correction = correction or config.planner.correction or CorrectionConfig()
     prepared = prepare(model, cluster, scenario, config).setup
     run = window_runner(model, cluster, scenario, config, progress)
     static = run("vllm-static", StaticPolicy(prepared.static, len(prepared.prior.class_names)))
