@@ -282,6 +282,32 @@ def learned_tables(rows: list[dict], path: Path, title: str = "") -> Path:
     return _save(plt, fig, path)
 
 
+def learned_capacity(rows: list[dict], path: Path, title: str = "") -> Path:
+    """The live scheduler's capacity per (shape, class): the performance model's and the learned one (bars),
+    each learned bar labelled with its time scale u and the estimate's sd (the learned table is the capacity
+    model on an engine u times slower; `oserve.planner.learned`). Rows as `CapacityLearner.report` gives them
+    (`oserve demo`'s `learned_capacity`)."""
+    plt = _plt()
+    x = np.arange(len(rows))
+    model = np.array([r["model_rps"] for r in rows], dtype=float)
+    learned = np.array([r["learned_rps"] for r in rows], dtype=float)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(rows) + 2), 4))
+    ax.bar(x - 0.2, model, 0.4, label="model (prior)", color="tab:gray")
+    ax.bar(x + 0.2, learned, 0.4, label="learned", color="tab:orange")
+    for i, r in enumerate(rows):
+        sd = r.get("sd", float("nan"))
+        note = f"u {r.get('scale', 1.0):.2f}" + (f"\n\u00b1{sd:.2f}" if np.isfinite(sd) else "")
+        ax.annotate(note, (x[i] + 0.2, learned[i]), ha="center", va="bottom", fontsize=6)
+    top = float(np.nanmax(np.concatenate([model, learned]))) if len(rows) else 1.0
+    ax.set_ylim(0, 1.18 * top if top > 0 else 1.0)  # room for the labels
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['shape']} {r['class']}" for r in rows], rotation=40, ha="right", fontsize=7)
+    ax.set_ylabel("capacity (requests/s at the latency target)")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(plt, fig, path)
+
+
 def chaos(phases: list[dict], path: Path, title: str = "") -> Path:
     """Per fault of `oserve bench chaos`: requests answered, refused with an error code, lost and answered
     twice (stacked, of those sent), and the recovery time (dots, right axis)."""

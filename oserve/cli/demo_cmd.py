@@ -193,6 +193,11 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
                                                    view, console))
     result, record = runs["oserve"]
     _live_report({name: rec for name, (_, rec) in runs.items()}, config, gpus, out)
+    if result.get("learned_capacity"):
+        from oserve.observability import report
+
+        report.learned_capacity(result["learned_capacity"], out / "learned_capacity.png",
+                                "Live scheduler: capacity per shape and class, model against learned")
     forecasts = sorted(record["forecasts"], key=lambda f: f.span_index)
     strategies = [s for s in record["strategies"] if s.span_index > 0]  # the first is planned before serving
     decide = np.array([s.decide_wall_s for s in strategies]) if strategies else np.zeros(1)
@@ -251,7 +256,8 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     if "learned_capacity" in summary:
         console_out.print(learned_line(summary))
     console_out.print(f"Latencies are on the pipeline's clock ({speedup:g}x wall time). Report: {out}/ (latency_cdf.png, "
-                      f"deployment.png, rates.png, summary.json, traces).")
+                      f"deployment.png, rates.png{', learned_capacity.png' if summary.get('learned_capacity') else ''}, "
+                      f"summary.json, traces).")
     return summary
 
 
