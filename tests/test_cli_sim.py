@@ -62,6 +62,8 @@ def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
     (("bench", "e2e", "--set", "mine"), "--set must be one of"),
     (("bench", "levers", "--set", "mine"), "--set must be one of"),
     (("bench", "levers", "--jobs", "-1"), "--jobs must be >= 0"),
+    (("bench", "robustness", "--jobs", "-1"), "--jobs must be >= 0"),
+    (("bench", "robustness", "--perturbations", "gpu-x3"), "gpu-x3"),
     (("bench", "uncertainty", "--accuracies", "1,high"), "--accuracies must be numbers"),
     (("bench", "uncertainty", "--accuracies", "1.5"), "--accuracies must each be in [0, 1]"),
     (("simulate", "--trace", "S1", "--history-minutes", "0"), "history_minutes must be > 0"),
@@ -102,6 +104,7 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
         learned = summary["learned_capacity"]
         assert learned and all(row["learned_rps"] > 0 and row["scale"] > 0 for row in learned)
         assert summary["learned_windows"] >= 0 and summary["learned_max_scale_dev"] >= 0
+        assert (tmp_path / "learned_capacity.png").stat().st_size > 10_000
         spans = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
         services = {a["value"]["stringValue"] for line in spans for rs in line["resourceSpans"]
                     for a in rs["resource"]["attributes"] if a["key"] == "service.name"}
@@ -234,6 +237,33 @@ def test_bench_levers_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> None
     assert set(result["geomean_speedup_p99"]) == {label for label, _, _ in LEVERS}
     assert json.loads((tmp_path / "levers.json").read_text())["scenarios"][0]["scenario"] == "S5"
     assert (tmp_path / "levers.png").stat().st_size > 10_000
+
+
+def test_bench_robustness_json_gives_the_speedup_over_static_with_its_interval(monkeypatch, capsys,
+                                                                               tmp_path: Path) -> None:
+    """Two injected errors in two processes: each row's speedup is static's P99 over OServe's, inside its
+    interval, and the runs listed worse than static beyond noise are exactly those whose interval is wholly
+    below 1."""
+    code, out, err = run_cli(monkeypatch, capsys, "bench", "robustness", "--scenarios", "S5", "--perturbations",
+                             "none,pp-x0.5", "--minutes", "2", "--gpus", "8", "--jobs", "2", "--json",
+                             "--out", str(tmp_path))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["processes"] == 2
+    assert [(r["scenario"], r["perturbation"]) for r in result["rows"]] == [("S5", "none"), ("S5", "pp-x0.5")]
+    for r in result["rows"]:
+        res, n = r["results"], r["static_noise"]
+        if res["oserve"]["finished"] == res["oserve"]["admitted"] == res["vllm-static"]["finished"]:
+            assert n["ratio"] == pytest.approx(res["vllm-static"]["p99_e2e_s"] / res["oserve"]["p99_e2e_s"])
+        assert n["low"] <= n["ratio"] <= n["high"] and n["worse_beyond_noise"] == (n["high"] < 1.0)
+        # the learned table's error through the window (every 10 minutes; a 2-minute window has its end only)
+        assert [e["pairs"] for e in r["error_by_time"]] == [r["pairs"]]
+    assert result["worse_than_static_beyond_noise"] == [
+        f"S5/{r['perturbation']}" for r in result["rows"] if r["static_noise"]["high"] < 1.0]
+    assert result["oserve_finishes_at_least_static"] == all(
+        r["results"]["oserve"]["finished"] >= r["results"]["vllm-static"]["finished"] for r in result["rows"])
+    assert json.loads((tmp_path / "robustness.json").read_text())["rows"][1]["perturbation"] == "pp-x0.5"
+    assert (tmp_path / "robustness.png").stat().st_size > 10_000
 
 
 def test_a_library_error_logged_with_its_traceback_reaches_the_user_as_one_line(monkeypatch) -> None:

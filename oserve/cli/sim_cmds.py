@@ -25,6 +25,26 @@ def _progress(console: Console) -> Progress:
                     TimeElapsedColumn(), console=console, transient=True)
 
 
+def _in_processes(worker, args: list, workers: int, on_done, order: list[int] | None = None) -> None:
+    """`worker(args[i])` for every i, in `workers` spawned processes (in this one when `workers` is 1),
+    started in `order` (default: as given); `on_done(i, result)` runs here as each finishes. `worker` must be
+    a module-level function and its results picklable."""
+    order = list(range(len(args))) if order is None else order
+    if workers <= 1:
+        for i in order:
+            on_done(i, worker(args[i]))
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    # spawned, not forked: a fork of a process whose libraries run threads (polars) can deadlock
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+        futures = {pool.submit(worker, args[i]): i for i in order}
+        for future in as_completed(futures):
+            on_done(futures[future], future.result())
+
+
 def out_console() -> Console:
     """Console for result tables: the terminal's width, or 130 columns when output is piped."""
     console = Console()
@@ -328,29 +348,20 @@ def bench_e2e(
             runs.remove((name, n_gpus))
     workers = min(jobs or (os.cpu_count() or 1), len(runs)) or 1
     start = time.perf_counter()
-    if workers > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+    # the longest first, so the processes finish together: real traces, then sequences, compositions
+    order = sorted(range(len(runs)), key=lambda i: (-runs[i][1], not runs[i][0].startswith(("servegen", "azure")),
+                                                   not runs[i][0].startswith("T")))
+    found: dict[int, dict] = {}
+    with _progress(console) as bar:
+        task = bar.add_task(f"bench e2e: {len(runs)} scenarios in {workers} processes", total=len(runs))
 
-        # the longest first, so the processes finish together: real traces, then sequences, compositions
-        order = sorted(range(len(runs)), key=lambda i: (-runs[i][1], not runs[i][0].startswith(("servegen", "azure")),
-                                                       not runs[i][0].startswith("T")))
-        found: dict[int, dict] = {}
-        # spawned, not forked: a fork of a process whose libraries run threads (polars) can deadlock
-        spawn = multiprocessing.get_context("spawn")
-        with _progress(console) as bar, ProcessPoolExecutor(workers, mp_context=spawn) as pool:
-            task = bar.add_task(f"bench e2e: {len(runs)} scenarios in {workers} processes", total=len(runs))
-            futures = {pool.submit(_e2e_worker, (runs[i][0], runs[i][1], model, load, minutes)): i for i in order}
-            for future in as_completed(futures):
-                row = found[futures[future]] = future.result()
-                bar.update(task, advance=1)
-                _print_e2e_row(console, row)
-        rows = [found[i] for i in range(len(runs))]
-    else:
-        rows = []
-        for name, n_gpus in runs:
-            rows.append(_e2e_row(name, n_gpus, model, load, minutes, console))
-            _print_e2e_row(console, rows[-1])
+        def done(i: int, row: dict) -> None:
+            found[i] = row
+            bar.update(task, advance=1)
+            _print_e2e_row(console, row)
+        _in_processes(_e2e_worker, [(name, n_gpus, model, load, minutes) for name, n_gpus in runs], workers, done,
+                      order)
+    rows = [found[i] for i in range(len(runs))]
     compared = (*BASELINES, "perfect-forecast")
     means = {k: _mean([r["speedup_p99"].get(k, math.nan) for r in rows]) for k in compared}
     decide = _order_stats([t for r in rows for t in r["oserve_decide_s"]["all"]])
@@ -700,20 +711,11 @@ def bench_levers(
     found: dict[int, dict] = {}
     with _progress(console) as bar:
         task = bar.add_task(f"bench levers: {len(names)} scenarios in {workers} processes", total=len(names))
-        if workers > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            spawn = multiprocessing.get_context("spawn")  # as bench e2e: a fork of threaded polars can deadlock
-            with ProcessPoolExecutor(workers, mp_context=spawn) as pool:
-                futures = {pool.submit(_levers_worker, a): i for i, a in enumerate(args)}
-                for future in as_completed(futures):
-                    found[futures[future]] = future.result()
-                    bar.update(task, advance=1, description=f"bench levers: {found[futures[future]]['scenario']} done")
-        else:
-            for i, a in enumerate(args):
-                found[i] = _levers_worker(a)
-                bar.update(task, advance=1)
+        def done(i: int, row: dict) -> None:
+            found[i] = row
+            bar.update(task, advance=1, description=f"bench levers: {row['scenario']} done")
+        _in_processes(_levers_worker, args, workers, done)
     rows = [found[i] for i in range(len(args))]
     labels = [label for label, _, _ in LEVERS]
     geomean = {label: _mean([r["points"][i]["speedup"] for r in rows])[1] for i, label in enumerate(labels)}
@@ -743,6 +745,26 @@ def bench_levers(
         out_console().print(f"{s['name']}: skipped ({s['reason']})")
 
 
+def _robustness_worker(args: tuple) -> dict:
+    """One (scenario, injected error) of `oserve bench robustness`, in its own process: its row."""
+    from oserve.evaluation.robustness import PERTURBATIONS, run_robustness
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.specs import cluster_for_gpus, model_preset
+
+    name, p, model, gpus, load, minutes = args
+    spec, cluster = model_preset(model), cluster_for_gpus(gpus)
+    began = time.perf_counter()
+    row = run_robustness(spec, cluster, build_scenario(name, spec, cluster, load=load, minutes=minutes),
+                         PERTURBATIONS[p])
+    return {"scenario": row.scenario, "perturbation": row.perturbation,
+            "description": PERTURBATIONS[p].description, "results": row.results,
+            "static_noise": row.static_noise, "error_by_time": row.error_by_time,
+            "learned_error": row.learned_error, "model_error": row.model_error,
+            "pairs": row.pairs, "guard_events": row.guard_events,
+            "peak_slowness": None if math.isnan(row.peak_slowness) else row.peak_slowness,
+            "table": row.table, "seconds": time.perf_counter() - began}
+
+
 @bench_app.command("robustness")
 def bench_robustness(
     model: str = typer.Option("llama2-70b", help="Model preset."),
@@ -752,42 +774,51 @@ def bench_robustness(
     perturbations: str = typer.Option("all", help="Comma-separated injected errors "
                                                   "(`oserve.evaluation.robustness.PERTURBATIONS`), or all."),
     minutes: float = typer.Option(30.0, help="Length of each window."),
+    jobs: int = typer.Option(1, help="(scenario, error) pairs simulated at once, each in its own process "
+                                     "(0: one per CPU)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write robustness.json and robustness.png here."),
 ) -> None:
     """OServe when the engines are not what its capacity model says: for each injected error, static, OServe
     learning its capacity, OServe trusting the model's table and OServe told the true table, on the same
-    window; and how far the learned table is from the true one (`oserve.evaluation.robustness`)."""
+    window; OServe's P99 speedup over static with its spread over the window's minutes; and how far the
+    learned table is from the true one (`oserve.evaluation.robustness`)."""
+    import os
+
     from oserve.errors import UnknownNameError
-    from oserve.evaluation.robustness import PERTURBATIONS, run_robustness
-    from oserve.specs import cluster_for_gpus, model_preset
+    from oserve.evaluation.robustness import PERTURBATIONS
 
     names = list(PERTURBATIONS) if perturbations.strip() == "all" else \
         [p.strip() for p in perturbations.split(",") if p.strip()]
     for p in names:
         if p not in PERTURBATIONS:
             raise UnknownNameError("perturbation", p, tuple(PERTURBATIONS))
-    spec, cluster = model_preset(model), cluster_for_gpus(gpus)
-    num_scenarios = len([n for n in scenarios.split(",") if n.strip()])
+    scenario_names = _scenario_names("test", scenarios, jobs)
+    skipped = []
+    for name in list(scenario_names):
+        if (reason := _missing_servegen(name)) is not None:
+            skipped.append({"name": name, "reason": reason})
+            scenario_names.remove(name)
+    args = [(name, p, model, gpus, load, minutes) for name in scenario_names for p in names]
+    workers = min(jobs or (os.cpu_count() or 1), len(args)) or 1
     console = Console(stderr=True)
     start = time.perf_counter()
-    rows, skipped = [], []
+    found: dict[int, dict] = {}
     with _progress(console) as bar:
-        task = bar.add_task("robustness", total=num_scenarios * len(names) * 4)
-        for name, scenario in _built_scenarios(scenarios, spec, cluster, load, minutes, skipped):
-            for p in names:
-                row = run_robustness(spec, cluster, scenario, PERTURBATIONS[p],
-                                     progress=lambda what: bar.update(task, advance=1, description=what))
-                rows.append({"scenario": row.scenario, "perturbation": row.perturbation,
-                             "description": PERTURBATIONS[p].description, "results": row.results,
-                             "learned_error": row.learned_error, "model_error": row.model_error,
-                             "pairs": row.pairs, "guard_events": row.guard_events,
-                             "peak_slowness": None if math.isnan(row.peak_slowness) else row.peak_slowness,
-                             "table": row.table})
-        bar.update(task, completed=num_scenarios * len(names) * 4)
+        task = bar.add_task(f"bench robustness: {len(args)} runs in {workers} processes", total=len(args))
+
+        def done(i: int, row: dict) -> None:
+            found[i] = row
+            bar.update(task, advance=1, description=f"robustness: {row['scenario']} / {row['perturbation']} done")
+        _in_processes(_robustness_worker, args, workers, done)
+    rows = [found[i] for i in range(len(args))]
     never_worse = all(r["results"]["oserve"]["finished"] >= r["results"]["vllm-static"]["finished"] for r in rows)
     result = {"model": model, "gpus": gpus, "load": load, "minutes": minutes, "rows": rows, "skipped": skipped,
-              "oserve_finishes_at_least_static": never_worse, "seconds": time.perf_counter() - start}
+              "oserve_finishes_at_least_static": never_worse,
+              # the (scenario, error) runs where the whole interval of OServe's speedup over static is below 1
+              "worse_than_static_beyond_noise": [f"{r['scenario']}/{r['perturbation']}" for r in rows
+                                                 if r["static_noise"]["worse_beyond_noise"]],
+              "seconds": time.perf_counter() - start, "processes": workers}
     if out is not None:
         def plots(report) -> None:
             report.robustness(rows, out / "robustness.png", f"{model} on {gpus} GPUs, engines unlike the model")
@@ -799,7 +830,7 @@ def bench_robustness(
     t = Table(title="P99 (s) and finished when the engines are not what the model says")
     t.caption = ("learn: OServe learning its capacity; trust: OServe trusting the model's table; true: told the "
                  "true table; err: learned (model) table's mean error on the pairs it has evidence on")
-    for col in ("scenario", "error", "static", "learn", "trust", "true", "err"):
+    for col in ("scenario", "error", "static", "learn", "trust", "true", "speedup (90%)", "err"):
         t.add_column(col, justify="left" if col in ("scenario", "error") else "right")
     for r in rows:
         res = r["results"]
@@ -809,8 +840,10 @@ def bench_robustness(
             mark = "" if v["finished"] == v["admitted"] else f" ({v['admitted'] - v['finished']} lost)"
             return f"{_fmt(v['p99_e2e_s'])}{mark}"
         err = "-" if not r["pairs"] else f"{r['learned_error']:.2f} ({r['model_error']:.2f})"
+        n = r["static_noise"]
+        speedup = f"{_fmt(n['ratio'])} ({_fmt(n['low'])}-{_fmt(n['high'])}){' worse' if n['worse_beyond_noise'] else ''}"
         t.add_row(r["scenario"], r["perturbation"], cell("vllm-static"), cell("oserve"), cell("oserve-trusting"),
-                  cell("oserve-true-table"), err)
+                  cell("oserve-true-table"), speedup, err)
     out_console().print(compact(t))
     for s in skipped:
         out_console().print(f"{s['name']}: skipped ({s['reason']})")

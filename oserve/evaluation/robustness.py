@@ -11,7 +11,9 @@ performance model. Each perturbation is run on each scenario with, side by side 
 - `oserve-true-table`: the planner handed the true table and a twin on the true engines (a reference:
   what a perfectly calibrated model gives).
 For `oserve`, the learned table is compared with the true one (the capacity model on the perturbed
-engine) on every (shape, class) pair it has evidence on, against the model's error on the same pairs.
+engine) on every (shape, class) pair it has evidence on, against the model's error on the same pairs; and
+OServe's P99 ratio to static comes with its block-bootstrap interval (`oserve.evaluation.noise`), so "worse
+than static" can be told from the spread of one window's draw.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from oserve.capacity import CapacityTable
 from oserve.evaluation.compare import EvalConfig, prepare, run_policy
+from oserve.evaluation.noise import p99_ratio_interval
 from oserve.evaluation.policies import OServePolicy
 from oserve.evaluation.scenarios import Scenario
 from oserve.perfmodel import PerfModel, ScaledPerf
@@ -81,6 +84,12 @@ class RobustnessRow:
     peak_slowness: float = math.nan
     """OServe's highest pooled time per output token over the model's, over any deployment once it had
     `GuardConfig.slow_min_spans` spans (`SelfCorrectingPlanner.peak_slowness`); NaN if none had."""
+    error_by_time: list[dict] | None = None
+    """The learned table's error (as `learned_error`, on the pairs with evidence by then) at every
+    `checkpoint_s` of the window and at its end: {"t_s", "learned_error", "model_error", "pairs"}."""
+    static_noise: dict | None = None
+    """OServe's P99 speedup over vllm-static (static's P99 over OServe's) and its 90% interval over the
+    window's minutes (`RatioInterval.as_dict`): `worse_beyond_noise` when the whole interval is below 1."""
 
 
 def _summary(r: SimResult) -> dict:
@@ -89,10 +98,38 @@ def _summary(r: SimResult) -> dict:
             "switches": sum(1 for s in r.spans[1:] if s["switched"])}
 
 
+class _Checkpointed(OServePolicy):
+    """OServe learning its capacity, with a copy of the learner's report taken at the first span boundary at
+    or after each multiple of `checkpoint_s` (what it believed then; the run is unchanged)."""
+
+    def __init__(self, *args, checkpoint_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.checkpoint_s = checkpoint_s
+        self.snapshots: list[tuple[float, list[dict]]] = []
+
+    def decide(self, view):
+        out = super().decide(view)
+        if self.adaptive is not None and view.now_s >= (len(self.snapshots) + 1) * self.checkpoint_s:
+            self.snapshots.append((view.now_s, self.adaptive.learner.report()))
+        return out
+
+
+def _table_error(rows: list[dict], true_table: CapacityTable, names: tuple[str, ...]) -> tuple[float, float]:
+    """(learned, model) mean |capacity / true - 1| over `rows` (`CapacityLearner.report`); each row gains its
+    `true_rps`. NaN for no rows."""
+    errs, model_errs = [], []
+    for row in rows:
+        row["true_rps"] = true_table.rate(_parse_shape(row["shape"]), names.index(row["class"]))
+        errs.append(abs(row["learned_rps"] / row["true_rps"] - 1.0))
+        model_errs.append(abs(row["model_rps"] / row["true_rps"] - 1.0))
+    return (float(np.mean(errs)), float(np.mean(model_errs))) if rows else (math.nan, math.nan)
+
+
 def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, perturbation: Perturbation,
                    config: EvalConfig = EvalConfig(bound=False),
-                   progress: Callable[[str], None] | None = None) -> RobustnessRow:
-    """The four runs of the module docstring for one scenario and one injected error."""
+                   progress: Callable[[str], None] | None = None, checkpoint_s: float = 600.0) -> RobustnessRow:
+    """The four runs of the module docstring for one scenario and one injected error; the learned table's
+    error also every `checkpoint_s` of the window."""
     shapes = valid_shapes(model, cluster.gpu, cluster.gpus_per_node, cluster.num_gpus, MemoryConfig())
     truth = perturbation.engine(model, cluster, shapes)
     cfg = replace(config, engine=truth, bound=False)
@@ -104,11 +141,17 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
             progress(f"{scenario.name} / {perturbation.name}: {what}")
 
     note("vllm-static")
-    results["vllm-static"] = _summary(run_policy(setup, "vllm-static", cfg.sim)[0])
+    static = run_policy(setup, "vllm-static", cfg.sim)[0]
+    results["vllm-static"] = _summary(static)
     note("oserve")
-    learning = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
-                            measured=setup.measured)
-    results["oserve"] = _summary(simulate(model, cluster.gpu, cluster, setup.window, learning, cfg.sim, truth))
+    learning = _Checkpointed(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
+                             measured=setup.measured, checkpoint_s=checkpoint_s)
+    ours = simulate(model, cluster.gpu, cluster, setup.window, learning, cfg.sim, truth)
+    results["oserve"] = _summary(ours)
+    # the same requests on both sides (both admit what fits the context window); unfinished ones count as
+    # infinitely late in both P99s
+    noise = p99_ratio_interval(ours.arrival_s[ours.admitted], ours.e2e_s[ours.admitted],
+                               static.e2e_s[static.admitted]).as_dict()
     note("oserve-trusting")
     trusting = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
                             name="oserve-trusting", learn_capacity=False)
@@ -124,17 +167,13 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
     results["oserve-true-table"] = _summary(simulate(model, cluster.gpu, cluster, setup.window, told, cfg.sim, truth))
     assert learning.adaptive is not None
     rows = learning.adaptive.learner.report()
-    errs, model_errs = [], []
-    for row in rows:
-        shape = _parse_shape(row["shape"])
-        j = t.type_names.index(row["class"])
-        row["true_rps"] = true_table.rate(shape, j)
-        errs.append(abs(row["learned_rps"] / row["true_rps"] - 1.0))
-        model_errs.append(abs(row["model_rps"] / row["true_rps"] - 1.0))
-    return RobustnessRow(scenario.name, perturbation.name, results,
-                         float(np.mean(errs)) if errs else math.nan,
-                         float(np.mean(model_errs)) if model_errs else math.nan, len(rows), rows,
-                         learning.adaptive.guard_events, learning.adaptive.peak_slowness)
+    learned_error, model_error = _table_error(rows, true_table, t.type_names)
+    by_time = []
+    for t_s, snapshot in [*learning.snapshots, (float(setup.window.arrival_s.max(initial=0.0)), rows)]:
+        err, model_err = _table_error(snapshot, true_table, t.type_names)
+        by_time.append({"t_s": t_s, "learned_error": err, "model_error": model_err, "pairs": len(snapshot)})
+    return RobustnessRow(scenario.name, perturbation.name, results, learned_error, model_error, len(rows), rows,
+                         learning.adaptive.guard_events, learning.adaptive.peak_slowness, by_time, noise)
 
 
 def _parse_shape(text: str) -> ReplicaShape:
