@@ -810,6 +810,10 @@ def bench_robustness(
         def done(i: int, row: dict) -> None:
             found[i] = row
             bar.update(task, advance=1, description=f"robustness: {row['scenario']} / {row['perturbation']} done")
+            n, res = row["static_noise"], row["results"]
+            console.print(f"{row['scenario']} / {row['perturbation']}: P99 static "
+                          f"{_fmt(res['vllm-static']['p99_e2e_s'])} s, OServe {_fmt(res['oserve']['p99_e2e_s'])} s, "
+                          f"speedup {_fmt(n['ratio'])} ({_fmt(n['low'])}-{_fmt(n['high'])}) ({row['seconds']:.0f} s)")
         _in_processes(_robustness_worker, args, workers, done)
     rows = [found[i] for i in range(len(args))]
     never_worse = all(r["results"]["oserve"]["finished"] >= r["results"]["vllm-static"]["finished"] for r in rows)
