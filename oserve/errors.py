@@ -23,6 +23,9 @@ class UnknownNameError(OServeError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
 
+    def __reduce__(self):  # rebuilt from its three fields, so it crosses a process pool intact
+        return type(self), (self.kind, self.name, self.known)
+
 
 class TraceError(OServeError, ValueError):
     """A trace file cannot be used: missing column, bad value (with its line number), empty."""

@@ -128,3 +128,17 @@ def test_valid_shapes_fit_in_memory(name, gpu, util):
 def test_memory_config_names_the_bad_field():
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         MemoryConfig(gpu_memory_utilization=1.5)
+
+
+def test_an_unknown_name_error_crosses_a_process_boundary_whole() -> None:
+    """A bench's worker process raises it for a bad name; the pool pickles it back to the command, which prints
+    its message (KeyError's default pickling rebuilt it from the message alone and failed)."""
+    import pickle
+
+    from oserve.errors import UnknownNameError
+
+    with pytest.raises(UnknownNameError) as caught:
+        model_preset("llama-9000")
+    back = pickle.loads(pickle.dumps(caught.value))
+    assert type(back) is UnknownNameError and str(back) == str(caught.value)
+    assert (back.kind, back.name, back.known) == (caught.value.kind, caught.value.name, caught.value.known)

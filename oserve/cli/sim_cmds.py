@@ -777,7 +777,7 @@ def bench_robustness(
     jobs: int = typer.Option(1, help="(scenario, error) pairs simulated at once, each in its own process "
                                      "(0: one per CPU)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
-    out: Path = typer.Option(None, help="Write robustness.json and robustness.png here."),
+    out: Path = typer.Option(None, help="Write robustness.json, robustness.png and learned_capacity.png here."),
 ) -> None:
     """OServe when the engines are not what its capacity model says: for each injected error, static, OServe
     learning its capacity, OServe trusting the model's table and OServe told the true table, on the same
@@ -787,7 +787,9 @@ def bench_robustness(
 
     from oserve.errors import UnknownNameError
     from oserve.evaluation.robustness import PERTURBATIONS
+    from oserve.specs import cluster_for_gpus, model_preset
 
+    model_preset(model), cluster_for_gpus(gpus)  # a bad name or size is told here, not from inside a worker
     names = list(PERTURBATIONS) if perturbations.strip() == "all" else \
         [p.strip() for p in perturbations.split(",") if p.strip()]
     for p in names:

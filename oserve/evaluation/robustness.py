@@ -85,8 +85,9 @@ class RobustnessRow:
     """OServe's highest pooled time per output token over the model's, over any deployment once it had
     `GuardConfig.slow_min_spans` spans (`SelfCorrectingPlanner.peak_slowness`); NaN if none had."""
     error_by_time: list[dict] | None = None
-    """The learned table's error (as `learned_error`, on the pairs with evidence by then) at every
-    `checkpoint_s` of the window and at its end: {"t_s", "learned_error", "model_error", "pairs"}."""
+    """The learned table's error (as `learned_error`, on the pairs with evidence by then) at the first span
+    boundary at or after every `checkpoint_s` of the window, and at its last span boundary (what it ended with):
+    {"t_s", "learned_error", "model_error", "pairs"}."""
     static_noise: dict | None = None
     """OServe's P99 speedup over vllm-static (static's P99 over OServe's) and its 90% interval over the
     window's minutes (`RatioInterval.as_dict`): `worse_beyond_noise` when the whole interval is below 1."""
@@ -106,9 +107,12 @@ class _Checkpointed(OServePolicy):
         super().__init__(*args, **kwargs)
         self.checkpoint_s = checkpoint_s
         self.snapshots: list[tuple[float, list[dict]]] = []
+        self.last_decide_s = 0.0
+        """When the learner last changed (it learns only at span boundaries)."""
 
     def decide(self, view):
         out = super().decide(view)
+        self.last_decide_s = view.now_s
         if self.adaptive is not None and view.now_s >= (len(self.snapshots) + 1) * self.checkpoint_s:
             self.snapshots.append((view.now_s, self.adaptive.learner.report()))
         return out
@@ -169,7 +173,10 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
     rows = learning.adaptive.learner.report()
     learned_error, model_error = _table_error(rows, true_table, t.type_names)
     by_time = []
-    for t_s, snapshot in [*learning.snapshots, (float(setup.window.arrival_s.max(initial=0.0)), rows)]:
+    # and the state it ended with, as of its last span boundary, unless a checkpoint already took that one
+    ends = [] if learning.snapshots and learning.snapshots[-1][0] == learning.last_decide_s else \
+        [(learning.last_decide_s, rows)]
+    for t_s, snapshot in [*learning.snapshots, *ends]:
         err, model_err = _table_error(snapshot, true_table, t.type_names)
         by_time.append({"t_s": t_s, "learned_error": err, "model_error": model_err, "pairs": len(snapshot)})
     return RobustnessRow(scenario.name, perturbation.name, results, learned_error, model_error, len(rows), rows,
