@@ -89,6 +89,14 @@ def _order_stats(values: list[float]) -> dict:
     return {"median": v[len(v) // 2], "p90": v[int(0.9 * (len(v) - 1))], "max": v[-1], "count": len(v)}
 
 
+def _present(names: list[str]) -> tuple[list[str], list[dict]]:
+    """(the scenarios that can run, the skipped ones with their reason): a ServeGen scenario whose traces are
+    absent is skipped (`_missing_servegen`)."""
+    skipped = [{"name": n, "reason": r} for n in names if (r := _missing_servegen(n)) is not None]
+    gone = {x["name"] for x in skipped}
+    return [n for n in names if n not in gone], skipped
+
+
 def _built_scenarios(scenarios: str, spec, cluster, load: float, minutes: float | None, skipped: list[dict]):
     """Each named scenario built in turn, (name, scenario); a ServeGen one whose traces are absent is
     appended to `skipped` with its reason instead."""
@@ -698,13 +706,8 @@ def bench_levers(
 
     from oserve.evaluation.uncertainty import LEVERS
 
-    names = _scenario_names(scenario_set, scenarios, jobs)
+    names, skipped = _present(_scenario_names(scenario_set, scenarios, jobs))
     console = Console(stderr=True)
-    skipped = []
-    for name in list(names):
-        if (reason := _missing_servegen(name)) is not None:
-            skipped.append({"name": name, "reason": reason})
-            names.remove(name)
     workers = min(jobs or (os.cpu_count() or 1), len(names)) or 1
     start = time.perf_counter()
     args = [(name, gpus, model, load, minutes) for name in names]
@@ -795,12 +798,7 @@ def bench_robustness(
     for p in names:
         if p not in PERTURBATIONS:
             raise UnknownNameError("perturbation", p, tuple(PERTURBATIONS))
-    scenario_names = _scenario_names("test", scenarios, jobs)
-    skipped = []
-    for name in list(scenario_names):
-        if (reason := _missing_servegen(name)) is not None:
-            skipped.append({"name": name, "reason": reason})
-            scenario_names.remove(name)
+    scenario_names, skipped = _present(_scenario_names("test", scenarios, jobs))
     args = [(name, p, model, gpus, load, minutes) for name in scenario_names for p in names]
     workers = min(jobs or (os.cpu_count() or 1), len(args)) or 1
     console = Console(stderr=True)

@@ -172,13 +172,13 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
     assert learning.adaptive is not None
     rows = learning.adaptive.learner.report()
     learned_error, model_error = _table_error(rows, true_table, t.type_names)
-    by_time = []
+    by_time = [{"t_s": t_s, "learned_error": e, "model_error": m, "pairs": len(snapshot)}
+               for t_s, snapshot in learning.snapshots
+               for e, m in [_table_error(snapshot, true_table, t.type_names)]]
     # and the state it ended with, as of its last span boundary, unless a checkpoint already took that one
-    ends = [] if learning.snapshots and learning.snapshots[-1][0] == learning.last_decide_s else \
-        [(learning.last_decide_s, rows)]
-    for t_s, snapshot in [*learning.snapshots, *ends]:
-        err, model_err = _table_error(snapshot, true_table, t.type_names)
-        by_time.append({"t_s": t_s, "learned_error": err, "model_error": model_err, "pairs": len(snapshot)})
+    if not by_time or by_time[-1]["t_s"] != learning.last_decide_s:
+        by_time.append({"t_s": learning.last_decide_s, "learned_error": learned_error, "model_error": model_error,
+                        "pairs": len(rows)})
     return RobustnessRow(scenario.name, perturbation.name, results, learned_error, model_error, len(rows), rows,
                          learning.adaptive.guard_events, learning.adaptive.peak_slowness, by_time, noise)
 
