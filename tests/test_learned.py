@@ -231,3 +231,83 @@ def test_the_measured_best_is_the_lowest_p99_measured_before_the_window_and_trus
     else:
         assert got is not None and min(p for p, _ in ok) == p99s[[deployment_key(d) for d in deps].index(
             deployment_key(got))]
+
+
+# --- the trial on the history --------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(p99s=st.lists(st.floats(1.0, 100.0), min_size=3, max_size=3),
+       trial=st.one_of(st.floats(0.5, 150.0), st.just(math.inf), st.just(math.nan)),
+       switches=st.integers(0, 3), tolerance=st.one_of(st.none(), st.floats(0.0, 0.5)),
+       max_switches=st.one_of(st.none(), st.integers(0, 2)))
+def test_a_planner_that_lost_its_trial_on_the_history_defers_to_the_measured_best(p99s, trial, switches, tolerance,
+                                                                                  max_switches):
+    """Reference: it defers exactly when the trial switched at most `trial_max_switches` times and its P99 is
+    not within `trial_tolerance` of the lowest measured P99 (NaN and inf lose; a None tolerance never defers),
+    and then serves that deployment as static does: every class on every replica, no switch, whatever the
+    forecast."""
+    from oserve.planner.adaptive import GuardConfig, MeasuredRun, SelfCorrectingPlanner, Trial, deployment_key
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.planner.config import PlannerConfig
+    from oserve.planner.context import PlanningContext
+
+    planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE), PlannerConfig(twin=None),
+                                    guard=GuardConfig(trial_tolerance=tolerance, trial_max_switches=max_switches))
+    deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
+    planner.seed([MeasuredRun(d, (), p) for d, p in zip(deps, p99s)], trial=Trial(trial, switches))
+    best = deps[int(np.argmin(p99s))]
+    expect = (tolerance is not None and not trial <= min(p99s) * (1 + tolerance)
+              and (max_switches is None or switches <= max_switches))
+    assert (planner.deferred_to is not None) == expect
+    assert planner.trial.get("deferred", False) == expect
+    first = planner.plan(np.array([3.0, 1.0]), None, None, 60.0)
+    if expect:
+        assert first.label == "deferred" and deployment_key(first.deployment) == deployment_key(best)
+        assert all(w == 1.0 for row in first.weights for w in row) and first.switch_s == 0.0
+        again = planner.plan(np.array([0.0, 9.0]), first, None, 60.0)  # the mix moved: it still holds
+        assert again.label == "deferred" and again.deployment == first.deployment
+    else:
+        assert first.label != "deferred"
+
+
+def test_a_deferring_planner_plans_again_once_the_measured_deployment_underserves():
+    """The deferral lasts until the deployment it deferred to underserves in the window: then the planner
+    decides as without a trial (here, the capacity model's plan)."""
+    from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, SpanOutcome, Trial
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.planner.config import PlannerConfig
+    from oserve.planner.context import PlanningContext
+
+    planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE), PlannerConfig(twin=None))
+    deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
+    planner.seed([MeasuredRun(d, (), p) for d, p in zip(deps, (30.0, 20.0, 25.0))], trial=Trial(21.0))
+    held = planner.plan(np.array([3.0, 1.0]), None, None, 60.0)
+    assert held.label == "deferred" and held.deployment == deps[1]
+    planner.last = SpanOutcome(underserved=True)
+    moved = planner.plan(np.array([3.0, 1.0]), held, None, 60.0)
+    assert planner.deferred_to is None and moved.label != "deferred"
+
+
+@pytest.mark.slow
+def test_oserve_that_defers_serves_exactly_as_static_does():
+    """Bit-exact against the reference: OServe whose trial lost serves the window as vllm-static serves it
+    (the same deployment, chosen the same way; the same routing; no move, no switch): every latency equal."""
+    from oserve.evaluation.compare import EvalConfig, prepare, run_policy
+    from oserve.evaluation.policies import OServePolicy
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.planner.adaptive import Trial
+    from oserve.sim.kernel import simulate
+
+    cluster = cluster_for_gpus(8)
+    scenario = build_scenario("S5", MODEL, cluster, load=0.8, minutes=4.0, history_minutes=3.0)
+    setup = prepare(MODEL, cluster, scenario, EvalConfig(bound=False)).setup
+    assert len(setup.measured) > 1  # the measured best is a choice, as static's is
+    static = run_policy(setup, "vllm-static", EvalConfig().sim)[0]
+    ours = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
+                        measured=setup.measured, trial=Trial(math.inf))
+    result = simulate(MODEL, cluster.gpu, cluster, scenario.window, ours, EvalConfig().sim)
+    assert ours.adaptive is not None and ours.adaptive.trial["deferred"]
+    assert ours.adaptive.deferred_to == setup.static
+    assert np.array_equal(result.e2e_s, static.e2e_s, equal_nan=True)
+    assert np.array_equal(result.finished, static.finished) and result.num_migrations == 0

@@ -143,9 +143,14 @@ def _table(comparison, scenario) -> Table:
     return t
 
 
+TRIAL_HELP = ("OServe runs its whole policy on the history beside the static candidates, and serves the one measured "
+              "best as static does when it did worse there without switching (`oserve.planner.adaptive`, the "
+              "trial on the history). --no-trial: faster, and OServe never defers.")
+
+
 def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], load: float, minutes: float | None,
          span_s: float, seed: int, console: Console | None, forecaster: str = "last_value",
-         history_minutes: float = 10.0, bound: bool = True):
+         history_minutes: float = 10.0, bound: bool = True, trial: bool = True):
     from oserve.errors import ConfigError
     from oserve.evaluation.compare import EvalConfig, compare
     from oserve.evaluation.registry import policy_spec
@@ -163,7 +168,7 @@ def _run(scenario_name: str, model: str, gpus: int, policies: tuple[str, ...], l
         policy_spec(name)
     spec = model_preset(model)
     cluster = cluster_for_gpus(gpus)
-    config = EvalConfig(sim=SimConfig(span_s=span_s), forecaster=forecaster, bound=bound)
+    config = EvalConfig(sim=SimConfig(span_s=span_s), forecaster=forecaster, bound=bound, history_trial=trial)
     scenario = build_scenario(scenario_name, spec, cluster, load=load, minutes=minutes, seed=seed,
                               history_minutes=history_minutes)
     if console is None:  # no progress bars (a worker process of bench e2e)
@@ -203,6 +208,7 @@ def simulate_cmd(
     seed: int = typer.Option(0, help="Seed for scaling and sampling the workload."),
     forecaster: str = typer.Option("last_value", help="Forecaster of oserve and vllm-reload: last_value, "
                                                       "moving_average, holt_winters, lstm, ..."),
+    trial: bool = typer.Option(True, help=TRIAL_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     out: Path = typer.Option(None, help="Write PNG plots and a JSON summary here."),
 ) -> None:
@@ -210,7 +216,7 @@ def simulate_cmd(
     console = Console(stderr=True)
     start = time.perf_counter()
     scenario, comparison, cluster = _run(trace, model, gpus, _policies(policy), load, minutes, span, seed, console,
-                                         forecaster, history_minutes)
+                                         forecaster, history_minutes, trial=trial)
     elapsed = time.perf_counter() - start
     summary = {"scenario": scenario.name, "model": model, "gpus": gpus, "load": load, "cv": scenario.cv,
                "forecaster": forecaster, "history_minutes": history_minutes,
@@ -221,6 +227,7 @@ def simulate_cmd(
                "policies": {name: r.summary() for name, r in comparison.results.items()}}
     if "oserve" in comparison.results:
         summary["speedup_p99"] = comparison.speedup_p99()
+        summary["oserve_trial"] = comparison.results["oserve"].policy_notes.get("trial")
     if out is not None:
         from oserve.observability import report
 
@@ -267,14 +274,14 @@ def _mean(values: list[float]) -> tuple[float, float]:
     return sum(vals) / len(vals), math.exp(sum(math.log(v) for v in vals) / len(vals))
 
 
-def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | None,
+def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | None, trial: bool,
              console: Console | None) -> dict:
     """One scenario of bench e2e: every policy's figures and OServe's speedups (a picklable dict)."""
     from oserve.evaluation.noise import p99_ratio_interval
     from oserve.evaluation.registry import POLICY_NAMES
 
     began = time.perf_counter()
-    scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console)
+    scenario, comparison, _ = _run(name, model, n_gpus, POLICY_NAMES, load, minutes, 60.0, 0, console, trial=trial)
     res = comparison.results
     spans = [s for s in res["oserve"].spans if math.isfinite(s.get("decide_s", math.nan))]
     ours = res["oserve"]
@@ -292,6 +299,9 @@ def _e2e_row(name: str, n_gpus: int, model: str, load: float, minutes: float | N
             "speedup_p99": comparison.speedup_p99(), "static_shape": comparison.static_shape,
             "noise": noise, "static_noise": noise["vllm-static"],
             "bound_p99_s": comparison.bound_p99_s, "class_accuracy": comparison.class_accuracy.get("oserve"),
+            # its trial on the history lost to the deployment measured best there: it served that one as static does
+            "oserve_deferred": any(s["label"] == "deferred" for s in spans),
+            "oserve_trial": ours.policy_notes.get("trial"),
             "oserve_decide_s": {**_order_stats([s["decide_s"] for s in spans]),
                                 "all": [s["decide_s"] for s in spans], "labels": [s["label"] for s in spans]},
             "seconds": time.perf_counter() - began}
@@ -334,6 +344,7 @@ def bench_e2e(
     minutes: float = typer.Option(None, help="Length of each window (default: 20 min per composition, 30 min per "
                                              "sequence, the rest of a trace after its history)."),
     jobs: int = typer.Option(0, help="Scenarios simulated at once, each in its own process (0: one per CPU)."),
+    trial: bool = typer.Option(True, help=TRIAL_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write e2e.json and speedups.png (bars per scenario, speedup vs mix "
                                         "CV) here."),
@@ -367,15 +378,16 @@ def bench_e2e(
             found[i] = row
             bar.update(task, advance=1)
             _print_e2e_row(console, row)
-        _in_processes(_e2e_worker, [(name, n_gpus, model, load, minutes) for name, n_gpus in runs], workers, done,
-                      order)
+        _in_processes(_e2e_worker, [(name, n_gpus, model, load, minutes, trial) for name, n_gpus in runs], workers,
+                      done, order)
     rows = [found[i] for i in range(len(runs))]
     compared = (*BASELINES, "perfect-forecast")
     means = {k: _mean([r["speedup_p99"].get(k, math.nan) for r in rows]) for k in compared}
     decide = _order_stats([t for r in rows for t in r["oserve_decide_s"]["all"]])
     # the decisions that scored deployments on the twin (not a re-route of the deployment in force)
     scoring = _order_stats([t for r in rows for t, label in zip(r["oserve_decide_s"]["all"],
-                                                               r["oserve_decide_s"]["labels"]) if label != "reroute"])
+                                                               r["oserve_decide_s"]["labels"])
+                             if label not in ("reroute", "deferred")])
     result = {"model": model, "load": load, "set": "custom" if scenarios else scenario_set,
               "scenarios": rows, "skipped": skipped, "seconds": time.perf_counter() - start, "processes": workers,
               "oserve_decide_s": {**decide, "scoring_median": scoring["median"], "scoring_count": scoring["count"]},
@@ -674,13 +686,15 @@ def bench_uncertainty(
 
 def _levers_worker(args: tuple) -> dict:
     """One scenario of `oserve bench levers`, in its own process: its row."""
+    from oserve.evaluation.compare import EvalConfig
     from oserve.evaluation.scenarios import build_scenario
     from oserve.evaluation.uncertainty import levers
     from oserve.specs import cluster_for_gpus, model_preset
 
-    name, gpus, model, load, minutes = args
+    name, gpus, model, load, minutes, trial = args
     spec, cluster = model_preset(model), cluster_for_gpus(gpus)
-    c = levers(spec, cluster, build_scenario(name, spec, cluster, load=load, minutes=minutes))
+    c = levers(spec, cluster, build_scenario(name, spec, cluster, load=load, minutes=minutes),
+               EvalConfig(history_trial=trial))
     return {"scenario": c.scenario, "gpus": gpus, "static_p99_s": c.static_p99_s, "static_shape": c.static_shape,
             "points": [{"label": p.label, "accuracy": p.accuracy, "oserve_p99_s": p.oserve_p99_s,
                         "speedup": p.speedup, "migrations": p.migrations} for p in c.points]}
@@ -696,6 +710,7 @@ def bench_levers(
     scenarios: str = typer.Option(None, help="Comma-separated scenario names instead of a set."),
     minutes: float = typer.Option(None, help="Length of each window (default: as in bench e2e)."),
     jobs: int = typer.Option(0, help="Scenarios simulated at once, each in its own process (0: one per CPU)."),
+    trial: bool = typer.Option(True, help=TRIAL_HELP + " Each variant runs its own trial."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write levers.json and levers.png here."),
 ) -> None:
@@ -710,7 +725,7 @@ def bench_levers(
     console = Console(stderr=True)
     workers = min(jobs or (os.cpu_count() or 1), len(names)) or 1
     start = time.perf_counter()
-    args = [(name, gpus, model, load, minutes) for name in names]
+    args = [(name, gpus, model, load, minutes, trial) for name in names]
     found: dict[int, dict] = {}
     with _progress(console) as bar:
         task = bar.add_task(f"bench levers: {len(names)} scenarios in {workers} processes", total=len(names))
@@ -750,18 +765,19 @@ def bench_levers(
 
 def _robustness_worker(args: tuple) -> dict:
     """One (scenario, injected error) of `oserve bench robustness`, in its own process: its row."""
+    from oserve.evaluation.compare import EvalConfig
     from oserve.evaluation.robustness import PERTURBATIONS, run_robustness
     from oserve.evaluation.scenarios import build_scenario
     from oserve.specs import cluster_for_gpus, model_preset
 
-    name, p, model, gpus, load, minutes = args
+    name, p, model, gpus, load, minutes, trial = args
     spec, cluster = model_preset(model), cluster_for_gpus(gpus)
     began = time.perf_counter()
     row = run_robustness(spec, cluster, build_scenario(name, spec, cluster, load=load, minutes=minutes),
-                         PERTURBATIONS[p])
+                         PERTURBATIONS[p], EvalConfig(bound=False, history_trial=trial))
     return {"scenario": row.scenario, "perturbation": row.perturbation,
             "description": PERTURBATIONS[p].description, "results": row.results,
-            "static_noise": row.static_noise, "error_by_time": row.error_by_time,
+            "static_noise": row.static_noise, "trial": row.trial, "error_by_time": row.error_by_time,
             "learned_error": row.learned_error, "model_error": row.model_error,
             "pairs": row.pairs, "guard_events": row.guard_events,
             "peak_slowness": None if math.isnan(row.peak_slowness) else row.peak_slowness,
@@ -779,6 +795,7 @@ def bench_robustness(
     minutes: float = typer.Option(30.0, help="Length of each window."),
     jobs: int = typer.Option(1, help="(scenario, error) pairs simulated at once, each in its own process "
                                      "(0: one per CPU)."),
+    trial: bool = typer.Option(True, help=TRIAL_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     out: Path = typer.Option(None, help="Write robustness.json, robustness.png and learned_capacity.png here."),
 ) -> None:
@@ -799,7 +816,7 @@ def bench_robustness(
         if p not in PERTURBATIONS:
             raise UnknownNameError("perturbation", p, tuple(PERTURBATIONS))
     scenario_names, skipped = _present(_scenario_names("test", scenarios, jobs))
-    args = [(name, p, model, gpus, load, minutes) for name in scenario_names for p in names]
+    args = [(name, p, model, gpus, load, minutes, trial) for name in scenario_names for p in names]
     workers = min(jobs or (os.cpu_count() or 1), len(args)) or 1
     console = Console(stderr=True)
     start = time.perf_counter()
@@ -813,7 +830,9 @@ def bench_robustness(
             n, res = row["static_noise"], row["results"]
             console.print(f"{row['scenario']} / {row['perturbation']}: P99 static "
                           f"{_fmt(res['vllm-static']['p99_e2e_s'])} s, OServe {_fmt(res['oserve']['p99_e2e_s'])} s, "
-                          f"speedup {_fmt(n['ratio'])} ({_fmt(n['low'])}-{_fmt(n['high'])}) ({row['seconds']:.0f} s)")
+                          f"speedup {_fmt(n['ratio'])} ({_fmt(n['low'])}-{_fmt(n['high'])})"
+                          f"{', deferred to the measured best' if (row['trial'] or {}).get('deferred') else ''} "
+                          f"({row['seconds']:.0f} s)")
         _in_processes(_robustness_worker, args, workers, done)
     rows = [found[i] for i in range(len(args))]
     never_worse = all(r["results"]["oserve"]["finished"] >= r["results"]["vllm-static"]["finished"] for r in rows)

@@ -59,6 +59,10 @@ class EvalConfig:
     """The simulated engines' true speed when it is not the performance model's: a `PerfModel`-like object
     (`oserve.perfmodel.ScaledPerf`, the robustness harness's injected errors). Every policy and the static
     choice on the history run on it; the planners still believe the performance model."""
+    history_trial: bool = True
+    """OServe runs its whole policy on the history where the static candidates were measured, and defers to
+    the best of them for the window when it did worse there (`oserve.planner.adaptive`, "The trial on the
+    history"; `GuardConfig.trial_tolerance`)."""
 
     def __post_init__(self) -> None:
         if self.static_candidates < 1:
@@ -160,7 +164,8 @@ def prepare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: 
     static, tried = (choose_static(model, cluster, scenario, prior, config, progress, runs) if needs_static
                      else (Deployment.empty(), {}))
     return Prepared(Setup(model, cluster, ctx, prior, scenario.history, scenario.history_s, static, span_s,
-                          config.planner, config.forecaster, scenario.window, config.engine, tuple(runs)), tried)
+                          config.planner, config.forecaster, scenario.window, config.engine, tuple(runs), config.sim,
+                          config.history_trial), tried)
 
 
 def run_policy(setup: Setup, name: str, sim: SimConfig, progress: Callable[[float], None] | None = None,
@@ -171,6 +176,9 @@ def run_policy(setup: Setup, name: str, sim: SimConfig, progress: Callable[[floa
     policy = policy_spec(name).build(setup)
     r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.window, policy, sim, setup.engine, progress=progress,
                  timer=timer)
+    adaptive = getattr(policy, "adaptive", None)
+    if adaptive is not None and adaptive.trial:
+        r.policy_notes["trial"] = dict(adaptive.trial)
     return r, (class_accuracy(r, setup.prior) if getattr(policy, "classifies", False) else math.nan)
 
 

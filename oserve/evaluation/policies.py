@@ -22,7 +22,7 @@ from oserve.forecast.base import Forecaster
 from oserve.forecast.rates import RateForecaster
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
-from oserve.planner.adaptive import GuardConfig, MeasuredRun, SelfCorrectingPlanner, SpanRecord
+from oserve.planner.adaptive import GuardConfig, MeasuredRun, SelfCorrectingPlanner, SpanRecord, Trial
 from oserve.planner.learned import LearnerConfig, replica_windows, saturated_gpus
 from oserve.planner.oserve import OServePlanner
 from oserve.online_types import OnlineTypes
@@ -154,12 +154,13 @@ class OServePolicy(Gateway):
     """OServe: forecast per-class rates, then the planner, the live scheduler's very call: with
     `learn_capacity` (the default) `SelfCorrectingPlanner.plan`, told each span what every replica did
     (`ReplicaWindow`s from the engines' counters) and first what the `measured` runs before the window
-    showed (the static candidates on the history), else `OServePlanner.plan` on the prior's table."""
+    showed (the static candidates on the history) and how its own trial there did (`trial`,
+    `oserve.evaluation.registry.history_trial`), else `OServePlanner.plan` on the prior's table."""
 
     def __init__(self, ctx: PlanningContext, prior: Prior, forecaster: Forecaster, span_s: float,
                  config: PlannerConfig = PlannerConfig(), name: str = "oserve", learn_capacity: bool = True,
                  learner: LearnerConfig = LearnerConfig(), guard: GuardConfig = GuardConfig(),
-                 measured: tuple[MeasuredRun, ...] = ()) -> None:
+                 measured: tuple[MeasuredRun, ...] = (), trial: Trial | None = None) -> None:
         super().__init__(name, len(prior.class_names), prior.fresh_estimator(),
                          (config.twin or TwinConfig()).recent_spans)
         if config.correction is not None:
@@ -168,7 +169,7 @@ class OServePolicy(Gateway):
         self.adaptive = SelfCorrectingPlanner(ctx, config, learner, guard, prior.counts.sum(axis=0)) \
             if learn_capacity else None
         if self.adaptive is not None:
-            self.adaptive.seed(measured)
+            self.adaptive.seed(measured, trial)
         self.telemetry = Telemetry(self.k, learner.saturated_frac)
         self.planner = self.adaptive if self.adaptive is not None else OServePlanner(ctx, config)
         forecaster.fit(prior.counts)

@@ -8,7 +8,7 @@ dispatches by its freeness, vllm-static-rr by round robin: they are those baseli
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from oserve.errors import UnknownNameError
 from oserve.evaluation.baselines import ReloadPolicy, RoundRobinPolicy, StaticPolicy
@@ -16,10 +16,11 @@ from oserve.evaluation.dynamo import DynamoPolicy
 from oserve.evaluation.llumnix import LlumnixPolicy
 from oserve.evaluation.policies import OServePolicy, PerfectForecastPolicy
 from oserve.forecast.registry import make_forecaster
+from oserve.planner.adaptive import Trial
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
 from oserve.planner.prior import Prior
-from oserve.sim.kernel import Policy
+from oserve.sim.kernel import Policy, SimConfig, simulate
 from oserve.specs import ClusterSpec, Deployment, ModelSpec
 from oserve.traces import Trace
 
@@ -48,6 +49,10 @@ class Setup:
     measured: tuple = ()
     """The static candidates' runs on the history (`oserve.planner.adaptive.MeasuredRun`): what an operator
     measured before the window; OServe's learned capacity starts from them."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """How the history was simulated (OServe's trial runs there the same way)."""
+    history_trial: bool = True
+    """OServe runs its trial on the history (`history_trial`) when the static candidates were measured."""
 
     @property
     def num_classes(self) -> int:
@@ -55,6 +60,25 @@ class Setup:
 
     def new_forecaster(self):
         return make_forecaster(self.forecaster, len(self.prior.class_names))
+
+
+def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial:
+    """OServe's run on the history, where the static candidates were measured: its whole policy (`planner`,
+    the setup's by default, seeded with those measurements as in the window) on the same requests and the
+    same engines (`oserve.planner.adaptive.SelfCorrectingPlanner.seed`). Its forecaster starts fitted on
+    that history, as the window's does, so the trial knows the history's counts in advance: it is, if
+    anything, kind to OServe."""
+    policy = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, planner or setup.planner,
+                          name="oserve-trial", measured=setup.measured)
+    r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.history, policy, setup.sim, setup.engine)
+    return Trial(r.percentile("e2e", 99), sum(1 for s in r.spans[1:] if s["switched"]))
+
+
+def oserve_policy(s: Setup, planner: PlannerConfig | None = None) -> OServePolicy:
+    """The product's policy: seeded with the history's measurements and, when they exist, its trial there."""
+    planner = planner or s.planner
+    trial = history_trial(s, planner) if s.history_trial and s.measured else None
+    return OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner, measured=s.measured, trial=trial)
 
 
 @dataclass(frozen=True)
@@ -68,7 +92,7 @@ class PolicySpec:
 
 _SPECS = (
     PolicySpec("oserve", "OServe: per-class forecast, deployment chosen on the digital twin, GPU-to-GPU switches",
-               lambda s: OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner, measured=s.measured)),
+               oserve_policy),
     PolicySpec("vllm-static", "the best homogeneous deployment (chosen on the history), least-loaded routing",
                lambda s: StaticPolicy(s.static, s.num_classes)),
     PolicySpec("vllm-static-rr", "the same static deployment with round-robin routing (vLLM's router)",

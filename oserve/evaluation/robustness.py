@@ -28,6 +28,7 @@ from oserve.capacity import CapacityTable
 from oserve.evaluation.compare import EvalConfig, prepare, run_policy
 from oserve.evaluation.noise import p99_ratio_interval
 from oserve.evaluation.policies import OServePolicy
+from oserve.evaluation.registry import history_trial
 from oserve.evaluation.scenarios import Scenario
 from oserve.perfmodel import PerfModel, ScaledPerf
 from oserve.planner.oserve import OServePlanner
@@ -88,6 +89,9 @@ class RobustnessRow:
     """The learned table's error (as `learned_error`, on the pairs with evidence by then) at the first span
     boundary at or after every `checkpoint_s` of the window, and at its last span boundary (what it ended with):
     {"t_s", "learned_error", "model_error", "pairs"}."""
+    trial: dict | None = None
+    """OServe's trial on the history (`SelfCorrectingPlanner.trial`): its P99 there, the best measured one's,
+    and whether it deferred to that deployment for the window; None without a trial."""
     static_noise: dict | None = None
     """OServe's P99 speedup over vllm-static (static's P99 over OServe's) and its 90% interval over the
     window's minutes (`RatioInterval.as_dict`): `worse_beyond_noise` when the whole interval is below 1."""
@@ -147,9 +151,11 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
     note("vllm-static")
     static = run_policy(setup, "vllm-static", cfg.sim)[0]
     results["vllm-static"] = _summary(static)
+    note("oserve's trial on the history")
+    trial = history_trial(setup) if setup.history_trial and setup.measured else None
     note("oserve")
     learning = _Checkpointed(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
-                             measured=setup.measured, checkpoint_s=checkpoint_s)
+                             measured=setup.measured, trial=trial, checkpoint_s=checkpoint_s)
     ours = simulate(model, cluster.gpu, cluster, setup.window, learning, cfg.sim, truth)
     results["oserve"] = _summary(ours)
     # the same requests on both sides (both admit what fits the context window); unfinished ones count as
@@ -180,7 +186,8 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
         by_time.append({"t_s": learning.last_decide_s, "learned_error": learned_error, "model_error": model_error,
                         "pairs": len(rows)})
     return RobustnessRow(scenario.name, perturbation.name, results, learned_error, model_error, len(rows), rows,
-                         learning.adaptive.guard_events, learning.adaptive.peak_slowness, by_time, noise)
+                         learning.adaptive.guard_events, learning.adaptive.peak_slowness, by_time,
+                         learning.adaptive.trial or None, noise)
 
 
 def _parse_shape(text: str) -> ReplicaShape:

@@ -31,7 +31,7 @@ from oserve.correction import CorrectionConfig
 from oserve.evaluation.compare import EvalConfig, class_accuracy, prepare, speedup
 from oserve.evaluation.peeking import TrueTypePolicy, true_type_setup, window_runner
 from oserve.evaluation.policies import OServePolicy
-from oserve.evaluation.registry import Setup
+from oserve.evaluation.registry import Setup, history_trial
 from oserve.evaluation.scenarios import Scenario
 from oserve.planner.prior import client_tag, planning_table
 from oserve.sim.kernel import ArrivalInfo, SimResult
@@ -142,8 +142,9 @@ def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: E
     for label, class_lengths, moves in variants:
         s = with_class_lengths(prepared, class_lengths)
         planner = replace(s.planner, class_lengths=class_lengths, correction=correction if moves else None)
+        trial = history_trial(s, planner) if s.history_trial and s.measured else None  # its own, per variant
         r = run(f"oserve, {label}", OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner,
-                                                 measured=s.measured))
+                                                 measured=s.measured, trial=trial))
         points.append(CurvePoint(label, class_accuracy(r, s.prior), r.percentile("e2e", 99), speedup(r, static),
                                  r.num_migrations))
     return Curve(scenario.name, static.percentile("e2e", 99), str(prepared.static.replicas[0].shape), tuple(points))

@@ -43,6 +43,18 @@ live scheduler worker): each span it is told what every replica did (a `SpanReco
   ("held" when it wanted to). A deployment that underserved on the history is distrusted before the
   window starts; the first decision is then the measured best unless the planner's own passes that test
   ("initial-measured").
+- **The trial on the history.** Where the static candidates were measured, OServe's whole policy can be
+  run too (`oserve.evaluation.registry.history_trial`: the same history, the same engines, the policy the
+  window gets; a `Trial`). When it kept one deployment there (at most `trial_max_switches` switches) and
+  its P99 was above the best measured one's by more than `trial_tolerance`, the planner defers for the
+  run: it serves the deployment measured best, every class on every replica, as the static baseline
+  serves it ("deferred"), and plans again only once that deployment underserves. It is the guard's rule
+  taken to the deployment the planner chooses: measured like for like against the static candidates, on
+  the traffic it was fitted on, and found worse. A trial that switched measured the switch's outage as
+  well, on a history shorter than the window it would be amortised over, so it is not held against the
+  choice. On the robustness runs that lost to static the twin had picked a homogeneous deployment measured
+  0.3-2.5% worse than the best one on the history, or a heterogeneous one with the slowed shape in it
+  that no replica saturated to reveal; none of those trials switched.
 
 The thresholds were chosen on azure-conv (30 minutes) with the injected errors none, global-x0.5,
 pp-x0.5 and tp4-long-x0.5 (`oserve.evaluation.robustness`); `oserve bench robustness` reports on other
@@ -64,6 +76,7 @@ from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
 from oserve.planner.learned import CapacityLearner, Correction, LearnerConfig, ReplicaWindow
 from oserve.planner.oserve import OServePlanner
+from oserve.planner.static import everywhere
 from oserve.planner.twin import ArrivalPattern
 from oserve.routing import beyond_plan, plan_allowance
 from oserve.specs import Deployment, ReplicaShape
@@ -102,6 +115,13 @@ class GuardConfig:
     0.66-1.16 on S2, S5, T2, servegen-m-large and servegen-m-mid."""
     slow_min_spans: int = 3
     """... once it has at least this many spans with such replicas."""
+    trial_tolerance: float | None = 0.0
+    """OServe defers to the deployment measured best on the history when its own trial there
+    (`SelfCorrectingPlanner.seed`) had a P99 above that deployment's by more than this fraction; None: the
+    trial's result is not used. 0: any loss on the history defers (issue 16's bar is one window's spread,
+    and the losses it flagged in `oserve bench robustness` were 0.4-18%)."""
+    trial_max_switches: int | None = 0
+    """... and only when the trial switched at most this many times (None: whatever it did)."""
 
     def __post_init__(self) -> None:
         for name in ("planned_utilisation", "backlog_frac", "thin_sd", "demand_frac", "full_gain", "tpot_factor",
@@ -110,6 +130,11 @@ class GuardConfig:
                 raise ConfigError(f"GuardConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.slow_min_spans < 1:
             raise ConfigError(f"GuardConfig.slow_min_spans must be >= 1, got {self.slow_min_spans!r}")
+        if self.trial_tolerance is not None and not (math.isfinite(self.trial_tolerance)
+                                                     and self.trial_tolerance >= 0):
+            raise ConfigError(f"GuardConfig.trial_tolerance must be None or >= 0, got {self.trial_tolerance!r}")
+        if self.trial_max_switches is not None and self.trial_max_switches < 0:
+            raise ConfigError(f"GuardConfig.trial_max_switches must be None or >= 0, got {self.trial_max_switches!r}")
 
 
 @dataclass
@@ -156,6 +181,15 @@ class SpanRecord:
     """The span's arrivals per class as the gateway classed them (empty: unknown). With them a replica is
     judged at the load the span really gave it, not only at the one the forecast planned: a mix that moved
     away from its forecast overloads some replicas, and that is the forecast's miss, not the model's."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """OServe's own run on the history where the static candidates were measured
+    (`oserve.evaluation.registry.history_trial`): its P99 there (inf: some request unfinished) and its switches."""
+
+    p99_s: float
+    switches: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +245,11 @@ class SelfCorrectingPlanner:
         """Set once the guard has fired: the model was caught wrong, so from then on the planner moves only
         to deployments measured to serve the demand or whose capacity the evidence pins down."""
         self.guard_events = 0
+        self.deferred_to: Deployment | None = None
+        """Set by `seed` when OServe's trial on the history lost to the deployment measured best there: it is
+        served as static serves it until it underserves (module docstring)."""
+        self.trial: dict = {}
+        """The trial's verdict: {"p99_s", "switches", "measured_best_p99_s", "lost", "deferred"} (empty without one)."""
         self.peak_slowness = math.nan
         """The highest pooled slowness (`Measured.slowness`) any deployment reached once it had
         `GuardConfig.slow_min_spans` spans: what `GuardConfig.slow_factor` is set above on correct engines."""
@@ -247,12 +286,14 @@ class SelfCorrectingPlanner:
 
     # --- what a span showed -----------------------------------------------------------------------
 
-    def seed(self, runs: tuple[MeasuredRun, ...] | list[MeasuredRun]) -> None:
+    def seed(self, runs: tuple[MeasuredRun, ...] | list[MeasuredRun], trial: Trial | None = None) -> None:
         """Learn from deployments measured before the window (their spans, and their P99 there). The
         windows of replicas that had time to spare are checked again once all are learned (they bound the
         estimate only where it breaks them, and the others may have moved it). A deployment that
         underserved there is distrusted and the planner starts verifying: the model was caught wrong
-        before the window began."""
+        before the window began. `trial`: OServe's own run on the same history; one that kept its deployment
+        and did worse than the best measured deployment by more than `GuardConfig.trial_tolerance` makes
+        the planner defer to that deployment (module docstring)."""
         for run in runs:
             for span in run.spans:
                 self._record(run.deployment, None, span)
@@ -268,6 +309,16 @@ class SelfCorrectingPlanner:
                 record.distrusted = True  # it underserved before the window: the model is wrong about it
                 self.verifying = True
         self.refresh()
+        best = self.measured_best_p99()
+        cfg = self.guard
+        if trial is not None and best is not None:
+            best_p99 = self.measured[deployment_key(best)].p99_s
+            lost = not trial.p99_s <= best_p99 * (1.0 + (cfg.trial_tolerance or 0.0))  # NaN and inf lose too
+            judged = cfg.trial_tolerance is not None and (cfg.trial_max_switches is None
+                                                          or trial.switches <= cfg.trial_max_switches)
+            self.deferred_to = best if lost and judged else None
+            self.trial = {"p99_s": float(trial.p99_s), "switches": int(trial.switches),
+                          "measured_best_p99_s": float(best_p99), "lost": lost, "deferred": lost and judged}
 
     def observe(self, span: SpanRecord, current: Decision | None) -> SpanOutcome:
         """Learn from the span that just ended under `current` (its replica windows, arrivals and completions)."""
@@ -276,7 +327,7 @@ class SelfCorrectingPlanner:
             self.refresh()
             self.last = SpanOutcome(learned=learned, backlog_growth=span.waiting_growth)
             return self.last
-        weights = current.weights if current.label not in ("static",) else None
+        weights = current.weights if current.label not in ("static", "deferred") else None
         self.last = self._record(current.deployment, weights, span, switched_in=current.switch_s > 0)
         self.refresh()
         return self.last
@@ -446,6 +497,13 @@ class SelfCorrectingPlanner:
             current = replace(current, scored_rps=(), deferred_spans=0)  # rescore: the capacities changed
         self._scored_with = key
         demand = float(rates.sum())
+        if self.deferred_to is not None:
+            if current is not None and self.guard.enabled and self.last.underserved:
+                self.deferred_to = None  # the measured deployment underserves here: plan (and guard) again
+            else:
+                dep = current.deployment if current is not None and current.deployment.replicas else self.deferred_to
+                return Decision(dep, everywhere(dep, len(rates)), 0.0, tuple(float(r) for r in rates), "deferred",
+                                scored_rps=tuple(float(r) for r in rates))
         measured = self.measured_best_p99()
         if current is None:
             decision = self.planner.plan(rates, None, recent, span_s, measured)

@@ -305,6 +305,9 @@ class SimResult:
     """Why requests did not finish: 'refused_context' (refused at the gateway), 'rejected_kv' (the
     request fits no KV cache of the replica it went to), 'horizon' (unfinished
     `horizon_after_last_arrival_s` after the last arrival)."""
+    policy_notes: dict = field(default_factory=dict)
+    """What the caller recorded of the policy that ran (`oserve.evaluation.compare.run_policy`: OServe's
+    `trial`, its trial on the history)."""
 
     @property
     def admitted(self) -> np.ndarray:
