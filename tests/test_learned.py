@@ -271,9 +271,10 @@ def test_a_planner_that_lost_its_trial_on_the_history_defers_to_the_measured_bes
         assert first.label != "deferred"
 
 
-def test_a_deferring_planner_plans_again_once_the_measured_deployment_underserves():
-    """The deferral lasts until the deployment it deferred to underserves in the window: then the planner
-    decides as without a trial (here, the capacity model's plan)."""
+def test_a_deferring_planner_plans_again_once_the_measured_deployment_cannot_keep_up():
+    """The deferral lasts until the queues of the deployment it deferred to grow in the window (underserving
+    by the model's measure alone does not end it): then the planner decides as without a trial (here, the
+    capacity model's plan)."""
     from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, SpanOutcome, Trial
     from oserve.planner.candidates import homogeneous_deployment
     from oserve.planner.config import PlannerConfig
@@ -285,8 +286,30 @@ def test_a_deferring_planner_plans_again_once_the_measured_deployment_underserve
     held = planner.plan(np.array([3.0, 1.0]), None, None, 60.0)
     assert held.label == "deferred" and held.deployment == deps[1]
     planner.last = SpanOutcome(underserved=True)
+    assert planner.plan(np.array([3.0, 1.0]), held, None, 60.0).label == "deferred"
+    planner.last = SpanOutcome(underserved=True, queues_grew=True)
     moved = planner.plan(np.array([3.0, 1.0]), held, None, 60.0)
     assert planner.deferred_to is None and moved.label != "deferred"
+
+
+def test_a_lost_trial_defers_to_the_lowest_p99_measured_even_when_the_planner_distrusts_it():
+    """The static baseline picks the lowest P99 measured on the history; OServe distrusts a deployment that
+    underserved there (the model was wrong about it). A trial that lost defers to static's pick all the
+    same: the trial is measured against what static measured."""
+    from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, SpanRecord, Trial, deployment_key
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.planner.config import PlannerConfig
+    from oserve.planner.context import PlanningContext
+
+    planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE), PlannerConfig(twin=None))
+    deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
+    full = SpanRecord(tuple(ReplicaWindow(r.shape, (5.0, 1.0), 60.0, 60.0) for r in deps[0].replicas), 400.0,
+                      12.0, 60.0)  # every replica saturated through the span: it underserved
+    planner.seed([MeasuredRun(deps[0], (full, full), 20.0), MeasuredRun(deps[1], (), 22.0),
+                  MeasuredRun(deps[2], (), 25.0)], trial=Trial(21.0))
+    assert planner.measured[deployment_key(deps[0])].distrusted
+    assert planner.measured_best_p99() == deps[1]  # what the planner itself would go back to
+    assert planner.deferred_to == deps[0] and planner.trial["measured_best_p99_s"] == 20.0
 
 
 @pytest.mark.slow

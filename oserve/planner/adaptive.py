@@ -46,11 +46,14 @@ live scheduler worker): each span it is told what every replica did (a `SpanReco
 - **The trial on the history.** Where the static candidates were measured, OServe's whole policy can be
   run too (`oserve.evaluation.registry.history_trial`: the same history, the same engines, the policy the
   window gets; a `Trial`). When it kept one deployment there (at most `trial_max_switches` switches) and
-  its P99 was above the best measured one's by more than `trial_tolerance`, the planner defers for the
-  run: it serves the deployment measured best, every class on every replica, as the static baseline
-  serves it ("deferred"), and plans again only once that deployment underserves. It is the guard's rule
-  taken to the deployment the planner chooses: measured like for like against the static candidates, on
-  the traffic it was fitted on, and found worse. A trial that switched measured the switch's outage as
+  its P99 was above the lowest measured there by more than `trial_tolerance`, the planner defers for the
+  run: it serves the deployment with that P99, every class on every replica, as the static baseline
+  serves it ("deferred"), and plans again only once that deployment's queues grow by `backlog_frac` of a
+  span's arrivals (it cannot keep up). The deployment deferred to is the static baseline's choice even
+  when the planner distrusts it (it underserved on the history by the model's measure): its P99 there
+  is a measurement, and the trial lost to it. It is the guard's rule taken to the deployment the planner
+  chooses: measured like for like against the static candidates, on the traffic it was fitted on, and
+  found worse. A trial that switched measured the switch's outage as
   well, on a history shorter than the window it would be amortised over, so it is not held against the
   choice. On the robustness runs that lost to static the twin had picked a homogeneous deployment measured
   0.3-2.5% worse than the best one on the history, or a heterogeneous one with the slowed shape in it
@@ -214,6 +217,9 @@ class SpanOutcome:
     slow: bool = False
     """It underserved (also) because, pooled over its spans, it decoded slower than the model by more than
     `GuardConfig.slow_factor` (a deployment the history never measured)."""
+    queues_grew: bool = False
+    """The requests waiting in its engines grew by more than `GuardConfig.backlog_frac` of the span's arrivals
+    (whatever the model expected: what ends a deferral)."""
 
 
 def deployment_key(deployment: Deployment) -> tuple[ReplicaShape, ...]:
@@ -309,7 +315,9 @@ class SelfCorrectingPlanner:
                 record.distrusted = True  # it underserved before the window: the model is wrong about it
                 self.verifying = True
         self.refresh()
-        best = self.measured_best_p99()
+        known = [r for r in self.measured.values() if math.isfinite(r.p99_s)]
+        # the static baseline's choice, distrusted or not: the trial is measured against what it measured
+        best = min(known, key=lambda r: (r.p99_s, deployment_key(r.deployment))).deployment if known else None
         cfg = self.guard
         if trial is not None and best is not None:
             best_p99 = self.measured[deployment_key(best)].p99_s
@@ -349,7 +357,8 @@ class SelfCorrectingPlanner:
         growth = span.waiting_growth
         record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
         if switched_in:
-            return SpanOutcome(False, len(saturated), growth, learned)
+            return SpanOutcome(False, len(saturated), growth, learned,
+                               queues_grew=growth > cfg.backlog_frac * max(span.arrivals, 1.0))
         # the table the guard judges by is changed only by `refresh`, after this: learning first changes nothing
         given = self._given_rates(deployment, weights, span)
         rates = given if weights is None else self._planned_rates(deployment, weights)
@@ -398,7 +407,8 @@ class SelfCorrectingPlanner:
             record.best_full_rps = max(record.best_full_rps, span.completions / span.span_s)
         elif span.arrivals > 0 and not slow:
             record.best_clean_demand_rps = max(record.best_clean_demand_rps, span.arrivals / span.span_s)
-        return SpanOutcome(underserved, len(saturated), growth, learned, slow)
+        return SpanOutcome(underserved, len(saturated), growth, learned, slow,
+                           growth > cfg.backlog_frac * max(span.arrivals, 1.0))
 
     def _expected_tbt(self, deployment: Deployment, rates, k: int, span: SpanRecord) -> float:
         """The time per output token the (learned) model expects of replica `k` at the load it was given:
@@ -498,8 +508,8 @@ class SelfCorrectingPlanner:
         self._scored_with = key
         demand = float(rates.sum())
         if self.deferred_to is not None:
-            if current is not None and self.guard.enabled and self.last.underserved:
-                self.deferred_to = None  # the measured deployment underserves here: plan (and guard) again
+            if current is not None and self.guard.enabled and self.last.queues_grew:
+                self.deferred_to = None  # the measured deployment cannot keep up here: plan (and guard) again
             else:
                 dep = current.deployment if current is not None and current.deployment.replicas else self.deferred_to
                 return Decision(dep, everywhere(dep, len(rates)), 0.0, tuple(float(r) for r in rates), "deferred",
