@@ -74,11 +74,10 @@ def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial:
     return Trial(r.percentile("e2e", 99), sum(1 for s in r.spans[1:] if s["switched"]))
 
 
-def oserve_policy(s: Setup, planner: PlannerConfig | None = None) -> OServePolicy:
+def oserve_policy(s: Setup) -> OServePolicy:
     """The product's policy: seeded with the history's measurements and, when they exist, its trial there."""
-    planner = planner or s.planner
-    trial = history_trial(s, planner) if s.history_trial and s.measured else None
-    return OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner, measured=s.measured, trial=trial)
+    trial = history_trial(s) if s.history_trial and s.measured else None
+    return OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner, measured=s.measured, trial=trial)
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,9 @@ class RobustnessRow:
     boundary at or after every `checkpoint_s` of the window, and at its last span boundary (what it ended with):
     {"t_s", "learned_error", "model_error", "pairs"}."""
     trial: dict | None = None
-    """OServe's trial on the history (`SelfCorrectingPlanner.trial`): its P99 there, the best measured one's,
-    and whether it deferred to that deployment for the window; None without a trial."""
+    """OServe's trial on the history (`SelfCorrectingPlanner.trial`): its P99 and switches there, the lowest P99
+    measured there (static's choice), whether it lost, and whether it deferred to that deployment for the
+    window; None without a trial."""
     static_noise: dict | None = None
     """OServe's P99 speedup over vllm-static (static's P99 over OServe's) and its 90% interval over the
     window's minutes (`RatioInterval.as_dict`): `worse_beyond_noise` when the whole interval is below 1."""
