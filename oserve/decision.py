@@ -27,7 +27,8 @@ class Decision:
     forecast_rps: tuple[float, ...] = ()
     """The per-class rates the decision was planned for (reported, not used to route)."""
     label: str = ""
-    """Why: initial, reroute, rescored, keep, switch (the planner); static, reload, scale-up, scale-down
+    """Why: initial, reroute, rescored, keep, switch (the planner); initial-measured, guard, held, deferred
+    (the self-correcting planner, `oserve.planner.adaptive`); static, reload, scale-up, scale-down
     (baselines)."""
     drain_retired: bool = False
     """Retired replicas finish everything they run instead of handing it off when the switch completes

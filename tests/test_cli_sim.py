@@ -140,12 +140,9 @@ def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
             fewer = row["finished"]["oserve"] < row["finished"][k]
             assert v == pytest.approx(min(ratio, 1.0) if fewer else ratio)
         assert row["oserve_decide_s"]["count"] >= 1 and row["bound_p99_s"] <= row["p99"]["oserve"]
-        # deferring (its trial on the history lost) it served static's deployment as static serves it
-        assert row["oserve_deferred"] == ("deferred" in row["oserve_decide_s"]["labels"]) == \
-            row["oserve_trial"]["deferred"]
-        assert row["oserve_trial"]["measured_best_p99_s"] > 0 and row["oserve_trial"]["switches"] >= 0
-        if row["oserve_deferred"]:
-            assert row["p99"]["oserve"] == row["p99"]["vllm-static"]
+        # its trial on the history: a deferral shows in the spans' labels exactly when the trial said defer
+        trial = row["oserve_trial"]
+        assert row["oserve_deferred"] == trial["deferred"] == (trial["lost"] and trial["switches"] == 0)
         # the noise of the ratio to static: on the whole window it is the P99 ratio (uncapped)
         noise = row["static_noise"]
         assert noise["ratio"] == pytest.approx(row["p99"]["vllm-static"] / row["p99"]["oserve"])
@@ -264,8 +261,9 @@ def test_bench_robustness_json_gives_the_speedup_over_static_with_its_interval(m
         assert n["low"] <= n["high"] and n["worse_beyond_noise"] == (n["high"] < 1.0)
         # OServe's trial on the history: it defers exactly when it lost there without switching
         t = r["trial"]
-        assert t["lost"] == (t["p99_s"] > t["measured_best_p99_s"]) and t["deferred"] == (t["lost"] and
-                                                                                          t["switches"] == 0)
+        assert t["deferred"] == (t["lost"] and t["switches"] == 0)
+        if t["dropped"] == t["measured_best_dropped"] and None not in (t["p99_s"], t["measured_best_p99_s"]):
+            assert t["lost"] == (t["p99_s"] > t["measured_best_p99_s"])  # (JSON writes inf as null)
         # the learned table's error through the window (every 10 minutes; a 2-minute window has its end only)
         assert [e["pairs"] for e in r["error_by_time"]] == [r["pairs"]]
     assert result["worse_than_static_beyond_noise"] == [

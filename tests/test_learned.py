@@ -237,16 +237,18 @@ def test_the_measured_best_is_the_lowest_p99_measured_before_the_window_and_trus
 
 
 @settings(max_examples=60, deadline=None)
-@given(p99s=st.lists(st.floats(1.0, 100.0), min_size=3, max_size=3),
-       trial=st.one_of(st.floats(0.5, 150.0), st.just(math.inf), st.just(math.nan)),
+@given(p99s=st.lists(st.sampled_from([10.0, 20.0, 30.0, math.inf]) | st.floats(1.0, 100.0), min_size=3, max_size=3),
+       dropped=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+       trial=st.one_of(st.floats(0.5, 150.0), st.just(math.inf), st.just(math.nan)), trial_dropped=st.integers(0, 2),
        switches=st.integers(0, 3), tolerance=st.one_of(st.none(), st.floats(0.0, 0.5)),
        max_switches=st.one_of(st.none(), st.integers(0, 2)))
-def test_a_planner_that_lost_its_trial_on_the_history_defers_to_the_measured_best(p99s, trial, switches, tolerance,
-                                                                                  max_switches):
-    """Reference: it defers exactly when the trial switched at most `trial_max_switches` times and its P99 is
-    not within `trial_tolerance` of the lowest measured P99 (NaN and inf lose; a None tolerance never defers),
-    and then serves that deployment as static does: every class on every replica, no switch, whatever the
-    forecast."""
+def test_a_planner_that_lost_its_trial_on_the_history_defers_to_static_s_choice(p99s, dropped, trial, trial_dropped,
+                                                                                switches, tolerance, max_switches):
+    """Reference: static's choice is the candidate with the fewest unfinished requests, then the lowest P99,
+    then the first measured (`choose_static`). The planner defers to it exactly when the trial switched at
+    most `trial_max_switches` times and did worse: more unfinished, or as many and a P99 not within
+    `trial_tolerance` of its (NaN loses; a None tolerance never defers). Then it serves that deployment as
+    static does: every class on every replica, no switch, whatever the forecast."""
     from oserve.planner.adaptive import GuardConfig, MeasuredRun, SelfCorrectingPlanner, Trial, deployment_key
     from oserve.planner.candidates import homogeneous_deployment
     from oserve.planner.config import PlannerConfig
@@ -255,10 +257,13 @@ def test_a_planner_that_lost_its_trial_on_the_history_defers_to_the_measured_bes
     planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE), PlannerConfig(twin=None),
                                     guard=GuardConfig(trial_tolerance=tolerance, trial_max_switches=max_switches))
     deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
-    planner.seed([MeasuredRun(d, (), p) for d, p in zip(deps, p99s)], trial=Trial(trial, switches))
-    best = deps[int(np.argmin(p99s))]
-    expect = (tolerance is not None and not trial <= min(p99s) * (1 + tolerance)
-              and (max_switches is None or switches <= max_switches))
+    planner.seed([MeasuredRun(d, (), p, n) for d, p, n in zip(deps, p99s, dropped)],
+                 trial=Trial(trial, switches, trial_dropped))
+    i = min(range(3), key=lambda k: (dropped[k], p99s[k], k))
+    best = deps[i]
+    worse = trial_dropped > dropped[i] if trial_dropped != dropped[i] else \
+        not trial <= p99s[i] * (1 + (tolerance or 0.0))
+    expect = tolerance is not None and worse and (max_switches is None or switches <= max_switches)
     assert (planner.deferred_to is not None) == expect
     assert planner.trial.get("deferred", False) == expect
     first = planner.plan(np.array([3.0, 1.0]), None, None, 60.0)
@@ -275,7 +280,7 @@ def test_a_deferring_planner_plans_again_once_the_measured_deployment_cannot_kee
     """The deferral lasts until the queues of the deployment it deferred to grow in the window (underserving
     by the model's measure alone does not end it): then the planner decides as without a trial (here, the
     capacity model's plan)."""
-    from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, SpanOutcome, Trial
+    from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, SpanOutcome, SpanRecord, Trial
     from oserve.planner.candidates import homogeneous_deployment
     from oserve.planner.config import PlannerConfig
     from oserve.planner.context import PlanningContext
@@ -287,9 +292,34 @@ def test_a_deferring_planner_plans_again_once_the_measured_deployment_cannot_kee
     assert held.label == "deferred" and held.deployment == deps[1]
     planner.last = SpanOutcome(underserved=True)
     assert planner.plan(np.array([3.0, 1.0]), held, None, 60.0).label == "deferred"
-    planner.last = SpanOutcome(underserved=True, queues_grew=True)
+    # what the engines showed: queues that grew by more than backlog_frac of the span's arrivals
+    windows = tuple(ReplicaWindow(r.shape, (1.0, 1.0), 60.0, 0.0) for r in held.deployment.replicas)
+    assert not planner.observe(SpanRecord(windows, 100.0, 100.0, 60.0, waiting_growth=5.0), held).queues_grew
+    assert planner.plan(np.array([3.0, 1.0]), held, None, 60.0).label == "deferred"
+    assert planner.observe(SpanRecord(windows, 100.0, 80.0, 60.0, waiting_growth=20.0), held).queues_grew
     moved = planner.plan(np.array([3.0, 1.0]), held, None, 60.0)
     assert planner.deferred_to is None and moved.label != "deferred"
+
+
+def test_once_a_deferral_ends_the_twin_scores_the_alternatives_at_once():
+    """A deferred decision was never scored (`scored_rps` empty), so when the deferral ends the planner with the
+    twin scores its candidates, rather than re-routing what runs for a forecast that has not moved."""
+    from oserve.planner.adaptive import MeasuredRun, SelfCorrectingPlanner, SpanOutcome, Trial
+    from oserve.planner.candidates import homogeneous_deployment
+    from oserve.planner.config import PlannerConfig
+    from oserve.planner.context import PlanningContext
+    from oserve.planner.twin import TwinConfig
+
+    twin = TwinConfig(initial_horizon_s=60.0, horizon_s=30.0, warmup_s=10.0)
+    planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE),
+                                    PlannerConfig(twin=twin, neighbour_steps=0, num_homogeneous_candidates=1))
+    deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
+    planner.seed([MeasuredRun(d, (), p) for d, p in zip(deps, (30.0, 20.0, 25.0))], trial=Trial(21.0))
+    rates = np.array([3.0, 1.0])
+    held = planner.plan(rates, None, None, 60.0)
+    assert held.label == "deferred" and held.scored_rps == ()
+    planner.last = SpanOutcome(queues_grew=True)
+    assert planner.plan(rates, held, None, 60.0).label in ("rescored", "switch", "keep")
 
 
 def test_a_lost_trial_defers_to_the_lowest_p99_measured_even_when_the_planner_distrusts_it():

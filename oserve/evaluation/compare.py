@@ -135,7 +135,7 @@ def choose_static(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, pr
         res = simulate(model, cluster.gpu, cluster, scenario.history, policy, config.sim, config.engine, progress=cb)
         p99 = res.percentile("e2e", 99)
         if runs is not None:
-            runs.append(MeasuredRun(dep, tuple(policy.spans), p99))
+            runs.append(MeasuredRun(dep, tuple(policy.spans), p99, int(res.dropped.sum())))
         tried[str(shape)] = p99
         key = (int(res.dropped.sum()), p99)
         if best is None or key < best[0]:

@@ -71,7 +71,7 @@ def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial:
     policy = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, planner or setup.planner,
                           name="oserve-trial", measured=setup.measured)
     r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.history, policy, setup.sim, setup.engine)
-    return Trial(r.percentile("e2e", 99), sum(1 for s in r.spans[1:] if s["switched"]))
+    return Trial(r.percentile("e2e", 99), sum(1 for s in r.spans[1:] if s["switched"]), int(r.dropped.sum()))
 
 
 def oserve_policy(s: Setup) -> OServePolicy:

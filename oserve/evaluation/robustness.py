@@ -137,8 +137,9 @@ def _table_error(rows: list[dict], true_table: CapacityTable, names: tuple[str, 
 def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, perturbation: Perturbation,
                    config: EvalConfig = EvalConfig(bound=False),
                    progress: Callable[[str], None] | None = None, checkpoint_s: float = 600.0) -> RobustnessRow:
-    """The four runs of the module docstring for one scenario and one injected error; the learned table's
-    error also every `checkpoint_s` of the window."""
+    """The four runs of the module docstring for one scenario and one injected error (with, before OServe's,
+    its trial on the history: `oserve.evaluation.registry.history_trial`); the learned table's error also
+    every `checkpoint_s` of the window."""
     shapes = valid_shapes(model, cluster.gpu, cluster.gpus_per_node, cluster.num_gpus, MemoryConfig())
     truth = perturbation.engine(model, cluster, shapes)
     cfg = replace(config, engine=truth, bound=False)
