@@ -120,8 +120,9 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
 
 
 def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
+    # --no-trial: a trial is three more 10-minute histories on 16 GPUs here (the robustness test checks the trial)
     code, out, err = run_cli(monkeypatch, capsys, "bench", "e2e", "--scenarios", "S5,S1,servegen-m-mid", "--minutes",
-                             "1", "--no-extra-32", "--json", "--out", str(tmp_path))
+                             "1", "--no-extra-32", "--no-trial", "--json", "--out", str(tmp_path))
     from oserve.evaluation.registry import BASELINES, POLICY_NAMES
 
     assert code == 0, err
@@ -140,9 +141,7 @@ def test_bench_e2e_json(monkeypatch, capsys, tmp_path: Path) -> None:
             fewer = row["finished"]["oserve"] < row["finished"][k]
             assert v == pytest.approx(min(ratio, 1.0) if fewer else ratio)
         assert row["oserve_decide_s"]["count"] >= 1 and row["bound_p99_s"] <= row["p99"]["oserve"]
-        # its trial on the history: a deferral shows in the spans' labels exactly when the trial said defer
-        trial = row["oserve_trial"]
-        assert row["oserve_deferred"] == trial["deferred"] == (trial["lost"] and trial["switches"] == 0)
+        assert row["oserve_trial"] is None and not row["oserve_deferred"]  # --no-trial: none ran, none deferred
         # the noise of the ratio to static: on the whole window it is the P99 ratio (uncapped)
         noise = row["static_noise"]
         assert noise["ratio"] == pytest.approx(row["p99"]["vllm-static"] / row["p99"]["oserve"])
