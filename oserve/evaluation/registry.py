@@ -62,12 +62,15 @@ class Setup:
         return make_forecaster(self.forecaster, len(self.prior.class_names))
 
 
-def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial:
-    """OServe's run on the history, where the static candidates were measured: its whole policy (`planner`,
+def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial | None:
+    """None when the setup runs no trial (`Setup.history_trial` off, or no static candidate measured);
+    else OServe's run on the history, where the static candidates were measured: its whole policy (`planner`,
     the setup's by default, seeded with those measurements as in the window) on the same requests and the
     same engines (`oserve.planner.adaptive.SelfCorrectingPlanner.seed`). Its forecaster starts fitted on
     that history, as the window's does, so the trial knows the history's counts in advance: it is, if
     anything, kind to OServe."""
+    if not (setup.history_trial and setup.measured):
+        return None
     policy = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, planner or setup.planner,
                           name="oserve-trial", measured=setup.measured)
     r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.history, policy, setup.sim, setup.engine)
@@ -76,8 +79,8 @@ def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial:
 
 def oserve_policy(s: Setup) -> OServePolicy:
     """The product's policy: seeded with the history's measurements and, when they exist, its trial there."""
-    trial = history_trial(s) if s.history_trial and s.measured else None
-    return OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner, measured=s.measured, trial=trial)
+    return OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, s.planner, measured=s.measured,
+                        trial=history_trial(s))
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ def run_robustness(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, p
     static = run_policy(setup, "vllm-static", cfg.sim)[0]
     results["vllm-static"] = _summary(static)
     note("oserve's trial on the history")
-    trial = history_trial(setup) if setup.history_trial and setup.measured else None
+    trial = history_trial(setup)
     note("oserve")
     learning = _Checkpointed(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, setup.planner,
                              measured=setup.measured, trial=trial, checkpoint_s=checkpoint_s)

@@ -142,7 +142,7 @@ def levers(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: E
     for label, class_lengths, moves in variants:
         s = with_class_lengths(prepared, class_lengths)
         planner = replace(s.planner, class_lengths=class_lengths, correction=correction if moves else None)
-        trial = history_trial(s, planner) if s.history_trial and s.measured else None  # its own, per variant
+        trial = history_trial(s, planner)  # its own, per variant
         r = run(f"oserve, {label}", OServePolicy(s.ctx, s.prior, s.new_forecaster(), s.span_s, planner,
                                                  measured=s.measured, trial=trial))
         points.append(CurvePoint(label, class_accuracy(r, s.prior), r.percentile("e2e", 99), speedup(r, static),

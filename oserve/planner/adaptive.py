@@ -364,10 +364,10 @@ class SelfCorrectingPlanner:
         learned = sum(self.learner.observe(w) for w in span.windows)
         saturated = [w for w in span.windows if w.saturated_s >= sat_frac * w.seconds]
         growth = span.waiting_growth
+        grew = growth > cfg.backlog_frac * max(span.arrivals, 1.0)
         record = self.measured.setdefault(deployment_key(deployment), Measured(deployment))
         if switched_in:
-            return SpanOutcome(False, len(saturated), growth, learned,
-                               queues_grew=growth > cfg.backlog_frac * max(span.arrivals, 1.0))
+            return SpanOutcome(False, len(saturated), growth, learned, queues_grew=grew)
         # the table the guard judges by is changed only by `refresh`, after this: learning first changes nothing
         given = self._given_rates(deployment, weights, span)
         rates = given if weights is None else self._planned_rates(deployment, weights)
@@ -407,7 +407,7 @@ class SelfCorrectingPlanner:
             slow = (not math.isfinite(record.p99_s) and record.tpot_spans >= cfg.slow_min_spans
                     and record.slowness() > cfg.slow_factor)
         # queues that grew while a class came beyond its plan are the forecast's miss, not the model's
-        full = early > 0 or (not overrun and growth > cfg.backlog_frac * max(span.arrivals, 1.0))
+        full = early > 0 or (not overrun and grew)
         underserved = full or slow
         record.spans += 1
         if underserved:
@@ -416,8 +416,7 @@ class SelfCorrectingPlanner:
             record.best_full_rps = max(record.best_full_rps, span.completions / span.span_s)
         elif span.arrivals > 0 and not slow:
             record.best_clean_demand_rps = max(record.best_clean_demand_rps, span.arrivals / span.span_s)
-        return SpanOutcome(underserved, len(saturated), growth, learned, slow,
-                           growth > cfg.backlog_frac * max(span.arrivals, 1.0))
+        return SpanOutcome(underserved, len(saturated), growth, learned, slow, grew)
 
     def _expected_tbt(self, deployment: Deployment, rates, k: int, span: SpanRecord) -> float:
         """The time per output token the (learned) model expects of replica `k` at the load it was given:
