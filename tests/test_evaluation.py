@@ -143,14 +143,24 @@ def test_dynamo_scales_the_replica_count_with_the_load(small) -> None:
     assert shapes == {str(prepared.setup.static.replicas[0].shape)}  # the worker's parallelism is fixed
 
 
-def test_comparisons_are_deterministic() -> None:
+def _timeless(result) -> dict:
+    return {k: v for k, v in result.summary().items() if not k.startswith("decide")}
+
+
+def test_comparisons_are_deterministic_and_oserve_does_not_depend_on_its_company() -> None:
+    """The same comparison twice gives the same results; and OServe asked for alone is the same policy as
+    beside vllm-static: it is seeded with the static candidates' runs on the history and holds its trial
+    against static's choice either way (before, alone it was neither seeded nor trialled)."""
     cluster = cluster_for_gpus(8)
     scenario = build_scenario("S2", LLAMA, cluster, minutes=2, history_minutes=2)
     runs = [compare(LLAMA, cluster, scenario, ("oserve", "vllm-static"), QUICK) for _ in range(2)]
     for name in ("oserve", "vllm-static"):
-        s1, s2 = runs[0].results[name].summary(), runs[1].results[name].summary()
-        assert {k: v for k, v in s1.items() if not k.startswith("decide")} == \
-            {k: v for k, v in s2.items() if not k.startswith("decide")}
+        assert _timeless(runs[0].results[name]) == _timeless(runs[1].results[name])
+    alone = compare(LLAMA, cluster, scenario, ("oserve",), QUICK)
+    assert alone.static_tried == runs[0].static_tried and len(alone.static_tried) == QUICK.static_candidates
+    assert _timeless(alone.results["oserve"]) == _timeless(runs[0].results["oserve"])
+    assert alone.results["oserve"].policy_notes["trial"] == runs[0].results["oserve"].policy_notes["trial"]
+    assert np.array_equal(alone.results["oserve"].e2e_s, runs[0].results["oserve"].e2e_s, equal_nan=True)
 
 
 def test_build_scenario_scales_to_the_requested_load():

@@ -26,7 +26,7 @@ from oserve.capacity import LatencyTarget
 from oserve.errors import ConfigError
 from oserve.evaluation.policies import MeasuringStaticPolicy
 from oserve.evaluation.bounds import isolated_latency_bound, p99_bound_s
-from oserve.evaluation.registry import POLICY_NAMES, STATIC_POLICIES, Setup, policy_spec
+from oserve.evaluation.registry import NEEDS_STATIC_RUNS, POLICY_NAMES, Setup, policy_spec
 from oserve.evaluation.scenarios import Scenario
 from oserve.forecast.registry import resolve_name
 from oserve.planner.candidates import homogeneous_deployment, static_capacity_rps
@@ -198,7 +198,7 @@ def compare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, policies
     Deterministic (`timer` only measures decision times)."""
     for name in policies:
         policy_spec(name)
-    prepared = prepare(model, cluster, scenario, config, any(p in STATIC_POLICIES for p in policies), progress)
+    prepared = prepare(model, cluster, scenario, config, any(p in NEEDS_STATIC_RUNS for p in policies), progress)
     setup = prepared.setup
     results: dict[str, SimResult] = {}
     accuracy: dict[str, float] = {}

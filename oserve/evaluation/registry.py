@@ -117,8 +117,10 @@ _SPECS = (
 POLICIES: dict[str, PolicySpec] = {spec.name: spec for spec in _SPECS}
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 BASELINES: tuple[str, ...] = tuple(n for n, s in POLICIES.items() if n != "oserve" and not s.reference)
-STATIC_POLICIES = ("vllm-static", "vllm-static-rr", "llumnix", "dynamo")
-"""Policies that need the static deployment chosen before the window."""
+NEEDS_STATIC_RUNS = ("oserve", "vllm-static", "vllm-static-rr", "llumnix", "dynamo")
+"""Policies that need the static candidates run on the history: the static baselines serve the one chosen
+there, and OServe learns from those runs and holds its trial against that choice (`oserve_policy`). So
+OServe is the same policy whether or not a static baseline is asked for beside it."""
 
 
 def policy_spec(name: str) -> PolicySpec:
