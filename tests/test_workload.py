@@ -463,6 +463,28 @@ def test_classify_is_vectorised_and_matches_classify_one() -> None:
     assert got.tolist() == [[0, 2], [3, 1]]  # SISO, LISO / LILO, SILO
 
 
+@settings(max_examples=200, deadline=None)
+@given(centroids=st.lists(st.tuples(st.floats(0, 12), st.floats(0, 12)), min_size=1, max_size=8),
+       points=st.lists(st.tuples(st.integers(0, 200_000), st.integers(0, 200_000)), min_size=1, max_size=40),
+       copy=st.booleans())
+def test_classify_one_equals_classify_bit_for_bit(centroids, points, copy) -> None:
+    """Reference: the vectorised `classify` (numpy's argmin over `_sq_dist`). The scalar path gives the same
+    index for every point, ties included: with `copy`, a centroid is duplicated, so every point nearest to it
+    is an exact tie, which both must give to the lower index; and a centroid placed on a point's own log
+    lengths makes its distance exactly 0."""
+    from oserve.workload_types import TypeStats, WorkloadTypes
+
+    if copy:
+        centroids = centroids + [centroids[0]]
+    x, y = points[0]
+    centroids = centroids + [(math.log1p(x), math.log1p(y))]
+    stats = TypeStats(0, 0.0, 0.0, 0.0, (1,), (1,))
+    types = WorkloadTypes(tuple(f"t{j}" for j in range(len(centroids))), tuple(centroids),
+                          tuple(stats for _ in centroids), 0.0)
+    a, b = np.array([p[0] for p in points]), np.array([p[1] for p in points])
+    assert types.classify(a, b).tolist() == [types.classify_one(i, o) for i, o in points]
+
+
 def test_bundled_conv_types() -> None:
     trace = load_trace("azure-conv")
     types = fit_types(trace.input_tokens, trace.output_tokens, k=4, seed=0)
