@@ -100,7 +100,15 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
         assert summary["p99_ratio_static_over_oserve"] == pytest.approx(static["p99_s"] / summary["p99_s"])
         assert summary["forecaster_in_force"] in ("last_value", "lstm", "last_span")
         assert summary["spans"] and all(sp["forecaster"] for sp in summary["spans"])
-        assert summary["decide_wall_s"]["budget"] > 0 and "initial" in summary["decisions"]
+        # the live planner is seeded as the simulator's OServe is: the static candidates' runs on the history
+        # (the static run's choice among them) and OServe's trial there
+        measured, tried = summary["measured_on_history"], static["chosen_on_history_p99_s"]
+        assert measured["runs"] == len(tried) >= 1
+        trial = measured["trial"]
+        assert trial["p99_s"] > 0 and trial["measured_best_p99_s"] in tried.values()
+        assert trial["deferred"] == (trial["lost"] and trial["switches"] == 0)
+        first = {"deferred"} if trial["deferred"] else {"initial", "initial-measured"}
+        assert summary["decide_wall_s"]["budget"] > 0 and first & set(summary["decisions"])
         # the scheduler's learned capacity for the final deployment's shapes (the model's where nothing taught it)
         learned = summary["learned_capacity"]
         assert learned and all(row["learned_rps"] > 0 and row["scale"] > 0 for row in learned)

@@ -55,6 +55,10 @@ def demo(
                                          "quiet ones at 0.375x)."),
     static: bool = typer.Option(True, "--static/--no-static", help="Replay the same window against the static "
                                                                    "deployment too, in the same run."),
+    measure: bool = typer.Option(True, "--measure/--no-measure",
+                                 help="Seed the live planner with what the simulator measures on the history, as the "
+                                      "simulator's OServe is seeded: the static candidates' runs and OServe's trial "
+                                      "there (it defers to the best of them when its trial did worse)."),
     otlp_endpoint: str = typer.Option("", "--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                                       help="OTLP/HTTP traces endpoint (e.g. Jaeger's http://127.0.0.1:4318/v1/traces); "
                                            "empty: spans go to traces.jsonl in the report folder."),
@@ -107,7 +111,7 @@ def demo(
         summary = _simulated(workload, model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
         summary = _live(model, gpus, workload, minutes, history_minutes, speedup, load, static, otlp_endpoint, out,
-                        view and not json_out, show=not json_out)
+                        view and not json_out, show=not json_out, measure=measure)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
@@ -134,6 +138,15 @@ def demo_scenario(workload: str, model: str, gpus: int, minutes: float, history_
                     mix_cv_of(mean_mix(window, types)))
 
 
+def trial_words(trial: dict) -> str:
+    """The trial's verdict (`SelfCorrectingPlanner.trial`) in a clause; empty without one. Pure."""
+    if not trial:
+        return ""
+    return (f"; OServe's trial there: P99 {trial['p99_s']:.1f} s against {trial['measured_best_p99_s']:.1f} s for "
+            f"the best of them, {trial['switches']} switches"
+            + (", so it defers to that deployment" if trial["deferred"] else ""))
+
+
 def deployments_of(strategies) -> list[str]:
     """The distinct deployments of a run's strategy events, each as its shapes joined by " + ". Pure."""
     from oserve.workers.switch_planner import deployment_of
@@ -154,7 +167,7 @@ def demo_tracing(otlp_endpoint: str, out: Path):
 
 
 def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes: float, speedup: float, load: float,
-          static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool) -> dict:
+          static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool, measure: bool = True) -> dict:
     import asyncio
     from dataclasses import replace
 
@@ -162,7 +175,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
 
     from oserve.cli.live_cmds import _system_config
     from oserve.cli.sim_cmds import _json_safe, out_console
-    from oserve.evaluation.compare import EvalConfig, choose_static
+    from oserve.evaluation.compare import EvalConfig, choose_static, measure_history
     from oserve.streams.server import NatsServer
     from oserve.streams.subjects import Subjects
     from oserve.workers.system import planning_inputs
@@ -173,18 +186,28 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     traces_path, tracing = demo_tracing(otlp_endpoint, out)
     config = replace(_system_config("oserve", model, gpus, speedup, 60.0, workload, "none", "",
                                     history_minutes=history_minutes), tracing=tracing)
+    start = time.perf_counter()
+    inputs = planning_inputs(config, history=scenario.history)
+    measured = None
+    if measure:
+        console.print("oserve demo: measuring the static candidates and OServe's trial on the history "
+                      "(simulated)")
+        measured = measure_history(inputs.ctx, inputs.prior, scenario.history, scenario.history_s,
+                                   config.planner_config())
+        inputs.planner.seed(measured.runs, measured.trial)
+        console.print(f"oserve demo: seeded with {len(measured.runs)} static candidates measured on the history"
+                      + trial_words(inputs.planner.trial))
     console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the {workload} workload ({minutes:g} minutes "
                   f"after {history_minutes:g} minutes of history the planner is fitted on) through the live pipeline "
                   f"at {speedup:g}x on {gpus} simulated GPUs ({model})"
                   + (", then the same replay against the static deployment" if static else "")
                   + "; Ctrl-C drains and stops.")
-    start = time.perf_counter()
-    inputs = planning_inputs(config, history=scenario.history)
     runs: dict[str, tuple[dict, dict]] = {}
     with NatsServer() as server:
         runs["oserve"] = asyncio.run(_live_run(server.url, config, inputs, part, speedup, view, console))
         if static:
-            dep, tried = choose_static(inputs.ctx.model, inputs.ctx.cluster, scenario, inputs.prior, EvalConfig())
+            dep, tried = (measured.static, measured.tried) if measured else \
+                choose_static(inputs.ctx.model, inputs.ctx.cluster, scenario, inputs.prior, EvalConfig())
             static_config = replace(config, subjects=Subjects("static"),
                                     tracing=replace(tracing, service_name="oserve-static"))
             console.print(f"oserve demo: the static deployment, chosen on the history: {dep.shapes()[0]} x "
@@ -219,6 +242,8 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         "spans": [{"span_index": f.span_index, "observed_counts": f.observed_counts,
                    "forecast_rps": [round(x, 3) for x in f.forecast_rps], "forecaster": f.forecaster,
                    "recent_rrmse": {k: round(v, 3) for k, v in f.recent_rrmse.items()}} for f in forecasts],
+        "measured_on_history": ({"runs": len(measured.runs), "trial": inputs.planner.trial}
+                                if measured else None),
         "traces": otlp_endpoint or str(traces_path),
         "report": str(out),
     }

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,16 +26,17 @@ from oserve.capacity import LatencyTarget
 from oserve.errors import ConfigError
 from oserve.evaluation.policies import MeasuringStaticPolicy
 from oserve.evaluation.bounds import isolated_latency_bound, p99_bound_s
-from oserve.evaluation.registry import NEEDS_STATIC_RUNS, POLICY_NAMES, Setup, policy_spec
+from oserve.evaluation.registry import NEEDS_STATIC_RUNS, POLICY_NAMES, Setup, history_trial, policy_spec
 from oserve.evaluation.scenarios import Scenario
 from oserve.forecast.registry import resolve_name
 from oserve.planner.candidates import homogeneous_deployment, static_capacity_rps
-from oserve.planner.adaptive import MeasuredRun
+from oserve.planner.adaptive import MeasuredRun, Trial
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.prior import Prior, fit_prior, planning_table
 from oserve.sim.kernel import SimConfig, SimResult, simulate
 from oserve.specs import ClusterSpec, Deployment, ModelSpec
+from oserve.traces import Trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +167,37 @@ def prepare(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, config: 
     return Prepared(Setup(model, cluster, ctx, prior, scenario.history, scenario.history_s, static, span_s,
                           config.planner, config.forecaster, scenario.window, config.engine, tuple(runs), config.sim,
                           config.history_trial), tried)
+
+
+@dataclass(frozen=True, eq=False)
+class HistoryMeasurements:
+    """What an operator measures on the history before serving: the static candidates' runs, the one chosen
+    (the static baseline's deployment) and OServe's trial there."""
+
+    static: Deployment
+    tried: dict[str, float]
+    """shape -> P99 e2e on the history of each static candidate tried."""
+    runs: tuple[MeasuredRun, ...]
+    trial: Trial | None
+
+
+def measure_history(ctx: PlanningContext, prior: Prior, history: Trace, history_s: float, planner: PlannerConfig,
+                    config: EvalConfig = EvalConfig(),
+                    progress: Callable[[str, float], None] | None = None) -> HistoryMeasurements:
+    """The static candidates simulated on `history` (`choose_static`) and OServe's trial there
+    (`oserve.evaluation.registry.history_trial`, `planner` and `ctx` being the planner's own), as `prepare`
+    measures them for the simulator's OServe: what a live scheduler's `SelfCorrectingPlanner.seed` takes, so
+    the live planner starts from what the simulated one does (`oserve demo`). Sees the history only.
+    Deterministic."""
+    empty = history.take(np.zeros(0, dtype=int))
+    scenario = Scenario("history", history, history_s, empty, prior.types, 0.0)
+    sim = replace(config.sim, span_s=prior.span_s)
+    config = replace(config, sim=sim)
+    runs: list[MeasuredRun] = []
+    static, tried = choose_static(ctx.model, ctx.cluster, scenario, prior, config, progress, runs)
+    setup = Setup(ctx.model, ctx.cluster, ctx, prior, history, history_s, static, prior.span_s, planner,
+                  config.forecaster, empty, config.engine, tuple(runs), sim, config.history_trial)
+    return HistoryMeasurements(static, tried, tuple(runs), history_trial(setup))
 
 
 def run_policy(setup: Setup, name: str, sim: SimConfig, progress: Callable[[float], None] | None = None,
