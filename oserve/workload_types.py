@@ -71,6 +71,8 @@ class WorkloadTypes:
     stats: tuple[TypeStats, ...]
     inertia: float  # sum over fitted requests of the squared log-space distance to their centroid
     _centroids: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _pairs: tuple[tuple[float, float], ...] = field(init=False, repr=False, compare=False, hash=False)
+    """`_centroids` as Python floats (float64 whatever `centroids_log` held), for `classify_one`."""
 
     def __post_init__(self) -> None:
         k = len(self.names)
@@ -80,8 +82,11 @@ class WorkloadTypes:
         if len(set(self.names)) != k:
             raise ConfigError(f"WorkloadTypes names must be unique: {self.names}")
         centroids = np.array(self.centroids_log, dtype=np.float64).reshape(k, 2)
+        if not np.isfinite(centroids).all():
+            raise ConfigError(f"WorkloadTypes centroids must be finite: {self.centroids_log}")
         centroids.setflags(write=False)
         object.__setattr__(self, "_centroids", centroids)
+        object.__setattr__(self, "_pairs", tuple((float(a), float(b)) for a, b in centroids.tolist()))
 
     @property
     def k(self) -> int:
@@ -119,7 +124,7 @@ class WorkloadTypes:
             raise ConfigError("classify: token counts must be >= 0")
         x, y = np.log1p(np.array((input_tokens, output_tokens), dtype=np.float64)).tolist()
         best, best_d = 0, math.inf
-        for j, (cx, cy) in enumerate(self.centroids_log):
+        for j, (cx, cy) in enumerate(self._pairs):
             dx, dy = x - cx, y - cy
             d = dx * dx + dy * dy
             if d < best_d:  # strict: a tie goes to the lower index, as argmin's does

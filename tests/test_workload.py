@@ -471,7 +471,8 @@ def test_classify_one_equals_classify_bit_for_bit(centroids, points, copy) -> No
     """Reference: the vectorised `classify` (numpy's argmin over `_sq_dist`). The scalar path gives the same
     index for every point, ties included: with `copy`, a centroid is duplicated, so every point nearest to it
     is an exact tie, which both must give to the lower index; and a centroid placed on a point's own log
-    lengths makes its distance exactly 0."""
+    lengths (by libm's log1p, numpy's on most builds) makes its distance 0 or within an ulp of it. Non-finite
+    centroids are refused (numpy's argmin would pick a NaN distance, a strict comparison never does)."""
     from oserve.workload_types import TypeStats, WorkloadTypes
 
     if copy:
@@ -483,6 +484,8 @@ def test_classify_one_equals_classify_bit_for_bit(centroids, points, copy) -> No
                           tuple(stats for _ in centroids), 0.0)
     a, b = np.array([p[0] for p in points]), np.array([p[1] for p in points])
     assert types.classify(a, b).tolist() == [types.classify_one(i, o) for i, o in points]
+    with pytest.raises(ConfigError, match="finite"):
+        WorkloadTypes(("a", "b"), ((1.0, math.nan), (5.0, 5.0)), (stats, stats), 0.0)
 
 
 def test_bundled_conv_types() -> None:

@@ -56,7 +56,8 @@ def demo(
     static: bool = typer.Option(True, "--static/--no-static", help="Replay the same window against the static "
                                                                    "deployment too, in the same run."),
     measure: bool = typer.Option(True, "--measure/--no-measure",
-                                 help="Seed the live planner with what the simulator measures on the history, as the "
+                                 help="Simulated engines, live: seed the live planner with what the simulator measures on "
+                                      "the history, as the "
                                       "simulator's OServe is seeded: the static candidates' runs and OServe's trial "
                                       "there (it defers to the best of them when its trial did worse)."),
     otlp_endpoint: str = typer.Option("", "--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
