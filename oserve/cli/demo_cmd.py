@@ -3,10 +3,10 @@
 It starts a real `nats-server` and every worker (gateway/router, forecaster stage with the live
 LSTM, scheduler running OServe's planner with the digital twin, switch planner, engines with the
 simulated backend on a clock running `--speedup` times faster than wall time), fits the planner's
-models on the workload's history, replays its window through the client with a live view, then, in
-the same run and on the same server, replays the same window through the same pipeline with the
-static baseline's planner (the best homogeneous deployment, chosen on the history by simulating the
-candidates, as `oserve simulate` chooses vllm-static), and prints both P99s, their ratio and the
+models on the workload's history, replays its window through the client with a live view, then (before,
+with `--static-first`), in the same run and on the same server, replays the same window through the
+same pipeline with the static baseline's planner (the best homogeneous deployment, chosen on the
+history by simulating the candidates, as `oserve simulate` chooses vllm-static), and prints both P99s, their ratio and the
 switches made, and what OServe's scheduler learned of the engines' capacity (`summary.json`'s
 `learned_capacity`, one console line), and writes a report folder.
 
@@ -55,6 +55,9 @@ def demo(
                                          "quiet ones at 0.375x)."),
     static: bool = typer.Option(True, "--static/--no-static", help="Replay the same window against the static "
                                                                    "deployment too, in the same run."),
+    static_first: bool = typer.Option(False, "--static-first",
+                                      help="Replay the static deployment first and OServe second (the order's "
+                                           "effect on the ratio is measured by running both orders)."),
     measure: bool = typer.Option(True, "--measure/--no-measure",
                                  help="Simulated engines, live: seed the live planner with what the simulator measures on "
                                       "the history, as the "
@@ -99,6 +102,9 @@ def demo(
     if not minutes > 0 or not speedup > 0 or not history_minutes > 0 or not load > 0:
         raise ConfigError(f"--minutes, --history-minutes, --speedup and --load must be > 0, got {minutes}, "
                           f"{history_minutes}, {speedup} and {load}")
+    if static_first and (engine == "vllm" or simulated or not static):
+        raise ConfigError("--static-first orders the live demo's two replays; it needs --static and the simulated "
+                          "engines, without --simulated")
     if workload not in WORKLOADS:
         raise ConfigError(f"--workload must be one of {', '.join(WORKLOADS)}, got {workload!r}")
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +118,7 @@ def demo(
         summary = _simulated(workload, model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
         summary = _live(model, gpus, workload, minutes, history_minutes, speedup, load, static, otlp_endpoint, out,
-                        view and not json_out, show=not json_out, measure=measure)
+                        view and not json_out, show=not json_out, measure=measure, static_first=static_first)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
@@ -168,7 +174,8 @@ def demo_tracing(otlp_endpoint: str, out: Path):
 
 
 def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes: float, speedup: float, load: float,
-          static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool, measure: bool = True) -> dict:
+          static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool, measure: bool = True,
+          static_first: bool = False) -> dict:
     import asyncio
     from dataclasses import replace
 
@@ -201,16 +208,21 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     console.print(f"[bold]oserve demo[/bold]: {len(part)} requests of the {workload} workload ({minutes:g} minutes "
                   f"after {history_minutes:g} minutes of history the planner is fitted on) through the live pipeline "
                   f"at {speedup:g}x on {gpus} simulated GPUs ({model})"
-                  + (", then the same replay against the static deployment" if static else "")
+                  + ((", after the same replay against the static deployment" if static_first else
+                      ", then the same replay against the static deployment") if static else "")
                   + "; Ctrl-C drains and stops.")
     runs: dict[str, tuple[dict, dict]] = {}
+    if static:
+        dep, tried = (measured.static, measured.tried) if measured else \
+            choose_static(inputs.ctx.model, inputs.ctx.cluster, scenario, inputs.prior, EvalConfig())
+        static_config = replace(config, subjects=Subjects("static"),
+                                tracing=replace(tracing, service_name="oserve-static"))
     with NatsServer() as server:
-        runs["oserve"] = asyncio.run(_live_run(server.url, config, inputs, part, speedup, view, console))
-        if static:
-            dep, tried = (measured.static, measured.tried) if measured else \
-                choose_static(inputs.ctx.model, inputs.ctx.cluster, scenario, inputs.prior, EvalConfig())
-            static_config = replace(config, subjects=Subjects("static"),
-                                    tracing=replace(tracing, service_name="oserve-static"))
+        for name in (("static", "oserve") if static and static_first else ("oserve", "static") if static
+                     else ("oserve",)):
+            if name == "oserve":
+                runs["oserve"] = asyncio.run(_live_run(server.url, config, inputs, part, speedup, view, console))
+                continue
             console.print(f"oserve demo: the static deployment, chosen on the history: {dep.shapes()[0]} x "
                           f"{len(dep.replicas)}; replaying the same window against it")
             runs["static"] = asyncio.run(_live_run(server.url, static_config, inputs.static(dep), part, speedup,
@@ -255,6 +267,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         summary["static"]["deployment"] = f"{dep.shapes()[0]} x {len(dep.replicas)}"
         summary["static"]["chosen_on_history_p99_s"] = tried
         summary["p99_ratio_static_over_oserve"] = sres["p99_s"] / result["p99_s"] if result["p99_s"] > 0 else float("nan")
+        summary["order"] = ["static", "oserve"] if static_first else ["oserve", "static"]
     summary["seconds"] = time.perf_counter() - start
     summary = _json_safe(summary)  # NaN (a run that answered nothing) is not JSON
     if not show:
