@@ -71,6 +71,7 @@ def test_bench_ceiling_json_and_plot(monkeypatch, capsys, tmp_path: Path) -> Non
     (("replay", "--minutes", "0"), "--minutes and --history-minutes must be > 0"),
     (("demo", "--static-first", "--no-static"), "--static-first orders the live demo's two replays"),
     (("demo", "--static-first", "--simulated"), "--static-first orders the live demo's two replays"),
+    (("demo", "--static-first", "--engine", "vllm"), "--static-first orders the live demo's two replays"),
     (("up", "--span-s", "-1"), "span_s"),
     (("up", "--speedup", "-1"), "speedup"),
     (("up", "--tracing", "jaeger"), "TracingConfig.exporter"),
@@ -82,11 +83,11 @@ def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) ->
     assert len(lines) == 1 and message in lines[0]
 
 
-@pytest.mark.parametrize("mode", ["live", "simulated"])
+@pytest.mark.parametrize("mode", ["live", "live-static-first", "simulated"])
 def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) -> None:
-    # live: the static run first (the default order differs only in the loop's order; the Ctrl-C test runs it)
     args = ["demo", "--minutes", "2", "--history-minutes", "3", "--out", str(tmp_path), "--json"] + \
-        (["--simulated"] if mode == "simulated" else ["--static-first"])
+        {"simulated": ["--simulated"], "live-static-first": ["--static-first"], "live": []}[mode]
+    static_first, mode = mode == "live-static-first", "live" if mode.startswith("live") else mode
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     summary = json.loads(out)
@@ -101,7 +102,7 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) ->
         static = summary["static"]
         assert static["requests"] == summary["requests"] and static["lost"] == 0 and static["switches"] == 0
         assert summary["p99_ratio_static_over_oserve"] == pytest.approx(static["p99_s"] / summary["p99_s"])
-        assert summary["order"] == ["static", "oserve"]
+        assert summary["order"] == (["static", "oserve"] if static_first else ["oserve", "static"])
         assert summary["forecaster_in_force"] in ("last_value", "lstm", "last_span")
         assert summary["spans"] and all(sp["forecaster"] for sp in summary["spans"])
         # the live planner is seeded as the simulator's OServe is: the static candidates' runs on the history

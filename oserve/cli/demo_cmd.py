@@ -228,7 +228,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
             runs["static"] = asyncio.run(_live_run(server.url, static_config, inputs.static(dep), part, speedup,
                                                    view, console))
     result, record = runs["oserve"]
-    _live_report({name: rec for name, (_, rec) in runs.items()}, config, gpus, out)
+    _live_report({name: runs[name][1] for name in ("oserve", "static") if name in runs}, config, gpus, out)
     if result.get("learned_capacity"):
         from oserve.observability import report
 
