@@ -6,9 +6,9 @@ simulated backend on a clock running `--speedup` times faster than wall time), f
 models on the workload's history, replays its window through the client with a live view, then (before,
 with `--static-first`), in the same run and on the same server, replays the same window through the
 same pipeline with the static baseline's planner (the best homogeneous deployment, chosen on the
-history by simulating the candidates, as `oserve simulate` chooses vllm-static), and prints both P99s, their ratio and the
-switches made, and what OServe's scheduler learned of the engines' capacity (`summary.json`'s
-`learned_capacity`, one console line), and writes a report folder.
+history by simulating the candidates, as `oserve simulate` chooses vllm-static), and prints both P99s,
+their ratio and the switches made, and what OServe's scheduler learned of the engines' capacity
+(`summary.json`'s `learned_capacity`, one console line), and writes a report folder.
 
 The default workload, `shift`, is the paper's kind of shifting mix built from real requests (the
 bundled Azure conversation trace's lengths): short prompts, then long prompts, then short again
