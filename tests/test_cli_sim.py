@@ -83,11 +83,10 @@ def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) ->
     assert len(lines) == 1 and message in lines[0]
 
 
-@pytest.mark.parametrize("mode", ["live", "live-static-first", "simulated"])
-def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str) -> None:
-    args = ["demo", "--minutes", "2", "--history-minutes", "3", "--out", str(tmp_path), "--json"] + \
-        {"simulated": ["--simulated"], "live-static-first": ["--static-first"], "live": []}[mode]
-    static_first, mode = mode == "live-static-first", "live" if mode.startswith("live") else mode
+@pytest.mark.parametrize("mode, flags", [("live", []), ("live", ["--static-first"]), ("simulated", ["--simulated"])])
+def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str, flags: list[str]) -> None:
+    args = ["demo", "--minutes", "2", "--history-minutes", "3", "--out", str(tmp_path), "--json", *flags]
+    static_first = "--static-first" in flags
     code, out, err = run_cli(monkeypatch, capsys, *args)
     assert code == 0, err
     summary = json.loads(out)

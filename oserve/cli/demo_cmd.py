@@ -211,22 +211,20 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
                   + ((", after the same replay against the static deployment" if static_first else
                       ", then the same replay against the static deployment") if static else "")
                   + "; Ctrl-C drains and stops.")
-    runs: dict[str, tuple[dict, dict]] = {}
+    pipelines = {"oserve": (config, inputs)}  # run name -> its config and planning inputs
     if static:
         dep, tried = (measured.static, measured.tried) if measured else \
             choose_static(inputs.ctx.model, inputs.ctx.cluster, scenario, inputs.prior, EvalConfig())
-        static_config = replace(config, subjects=Subjects("static"),
-                                tracing=replace(tracing, service_name="oserve-static"))
+        pipelines["static"] = (replace(config, subjects=Subjects("static"),
+                                       tracing=replace(tracing, service_name="oserve-static")), inputs.static(dep))
+    order = list(pipelines)[::-1] if static_first else list(pipelines)
+    runs: dict[str, tuple[dict, dict]] = {}
     with NatsServer() as server:
-        for name in (("static", "oserve") if static and static_first else ("oserve", "static") if static
-                     else ("oserve",)):
-            if name == "oserve":
-                runs["oserve"] = asyncio.run(_live_run(server.url, config, inputs, part, speedup, view, console))
-                continue
-            console.print(f"oserve demo: the static deployment, chosen on the history: {dep.shapes()[0]} x "
-                          f"{len(dep.replicas)}; replaying the same window against it")
-            runs["static"] = asyncio.run(_live_run(server.url, static_config, inputs.static(dep), part, speedup,
-                                                   view, console))
+        for name in order:
+            if name == "static":
+                console.print(f"oserve demo: the static deployment, chosen on the history: {dep.shapes()[0]} x "
+                              f"{len(dep.replicas)}; replaying the same window against it")
+            runs[name] = asyncio.run(_live_run(server.url, *pipelines[name], part, speedup, view, console))
     result, record = runs["oserve"]
     _live_report({name: runs[name][1] for name in ("oserve", "static") if name in runs}, config, gpus, out)
     if result.get("learned_capacity"):
@@ -267,7 +265,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
         summary["static"]["deployment"] = f"{dep.shapes()[0]} x {len(dep.replicas)}"
         summary["static"]["chosen_on_history_p99_s"] = tried
         summary["p99_ratio_static_over_oserve"] = sres["p99_s"] / result["p99_s"] if result["p99_s"] > 0 else float("nan")
-        summary["order"] = ["static", "oserve"] if static_first else ["oserve", "static"]
+        summary["order"] = order
     summary["seconds"] = time.perf_counter() - start
     summary = _json_safe(summary)  # NaN (a run that answered nothing) is not JSON
     if not show:
