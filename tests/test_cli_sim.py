@@ -314,3 +314,22 @@ def test_a_library_error_logged_with_its_traceback_reaches_the_user_as_one_line(
     finally:
         log.removeHandler(handler)
     assert stream.getvalue() == "nats: encountered error: InvalidStateError: invalid state\n"
+
+
+def test_the_trial_s_verdict_reads_as_what_it_was_judged_on():
+    """`trial_words`: nothing without a trial; a switching trial judged on the requests its switches left
+    alone names them, both P99s there and the verdict; one judged on the whole history does not."""
+    from oserve.cli.demo_cmd import trial_words
+
+    assert trial_words({}) == ""
+    base = {"p99_s": 29.34, "measured_best_p99_s": 16.62, "switches": 2, "deferred": True}
+    untouched = {"requests": 8535, "p99_s": 26.24, "static_p99_s": 15.5, "ratio_low": 0.55, "ratio_high": 0.62,
+                 "worse_beyond_noise": True}
+    words = trial_words({**base, "judged_on": "untouched", "untouched": untouched})
+    assert "P99 29.3 s against 16.6 s" in words and "2 switches" in words
+    assert "on the 8,535 requests its switches did not touch 26.2 s against 15.5 s, slower beyond noise" in words
+    assert words.endswith(", so it defers to that deployment")
+    kept = trial_words({**base, "deferred": False, "judged_on": "untouched",
+                        "untouched": {**untouched, "ratio_high": 1.2, "worse_beyond_noise": False}})
+    assert "within noise or faster" in kept and "defers" not in kept
+    assert "did not touch" not in trial_words({**base, "judged_on": "all", "untouched": untouched})

@@ -244,29 +244,42 @@ def test_the_measured_best_is_the_lowest_p99_measured_before_the_window_and_trus
        dropped=st.lists(st.integers(0, 2), min_size=3, max_size=3),
        trial=st.one_of(st.floats(0.5, 150.0), st.just(math.inf), st.just(math.nan)), trial_dropped=st.integers(0, 2),
        switches=st.integers(0, 3), tolerance=st.one_of(st.none(), st.floats(0.0, 0.5)),
-       max_switches=st.one_of(st.none(), st.integers(0, 2)))
+       max_switches=st.one_of(st.none(), st.integers(0, 2)),
+       untouched=st.one_of(st.none(), st.lists(st.floats(0.3, 2.0), min_size=2, max_size=2).map(sorted)),
+       judge_untouched=st.booleans())
 def test_a_planner_that_lost_its_trial_on_the_history_defers_to_static_s_choice(p99s, dropped, trial, trial_dropped,
-                                                                                switches, tolerance, max_switches):
+                                                                                switches, tolerance, max_switches,
+                                                                                untouched, judge_untouched):
     """Reference: static's choice is the candidate with the fewest unfinished requests, then the lowest P99,
     then the first measured (`choose_static`). The planner defers to it exactly when the trial switched at
     most `trial_max_switches` times and did worse: more unfinished, or as many and a P99 not within
-    `trial_tolerance` of its (NaN loses; a None tolerance never defers). Then it serves that deployment as
-    static does: every class on every replica, no switch, whatever the forecast."""
-    from oserve.planner.adaptive import GuardConfig, MeasuredRun, SelfCorrectingPlanner, Trial, deployment_key
+    `trial_tolerance` of its (NaN loses; a None tolerance never defers); or when it switched more, and on the
+    requests its switches did not touch static's P99 over its was below 1 over the whole interval
+    (`trial_untouched`; without that comparison it is not judged). Then it serves that deployment as static
+    does: every class on every replica, no switch, whatever the forecast."""
+    from oserve.planner.adaptive import (GuardConfig, MeasuredRun, SelfCorrectingPlanner, Trial, Untouched,
+                                         deployment_key)
     from oserve.planner.candidates import homogeneous_deployment
     from oserve.planner.config import PlannerConfig
     from oserve.planner.context import PlanningContext
 
     planner = SelfCorrectingPlanner(PlanningContext(MODEL, CLUSTER, TABLE), PlannerConfig(twin=None),
-                                    guard=GuardConfig(trial_tolerance=tolerance, trial_max_switches=max_switches))
+                                    guard=GuardConfig(trial_tolerance=tolerance, trial_max_switches=max_switches,
+                                                      trial_untouched=judge_untouched))
     deps = [homogeneous_deployment(CLUSTER, s) for s in SHAPES]
+    compared = None if untouched is None else Untouched(500, 20.0, 20.0 * untouched[0], *untouched)
     planner.seed([MeasuredRun(d, (), p, n) for d, p, n in zip(deps, p99s, dropped)],
-                 trial=Trial(trial, switches, trial_dropped))
+                 trial=Trial(trial, switches, trial_dropped, compared))
     i = min(range(3), key=lambda k: (dropped[k], p99s[k], k))
     best = deps[i]
-    worse = trial_dropped > dropped[i] if trial_dropped != dropped[i] else \
-        not trial <= p99s[i] * (1 + (tolerance or 0.0))
-    expect = tolerance is not None and worse and (max_switches is None or switches <= max_switches)
+    few = max_switches is None or switches <= max_switches
+    if few:
+        worse = trial_dropped > dropped[i] if trial_dropped != dropped[i] else \
+            not trial <= p99s[i] * (1 + (tolerance or 0.0))
+    else:
+        worse = untouched is not None and untouched[1] < 1.0
+    expect = tolerance is not None and worse and (few or (judge_untouched and untouched is not None))
+    assert planner.trial["judged_on"] == ("all" if few or not judge_untouched or untouched is None else "untouched")
     assert (planner.deferred_to is not None) == expect
     assert planner.trial.get("deferred", False) == expect
     first = planner.plan(np.array([3.0, 1.0]), None, None, 60.0)
@@ -367,3 +380,67 @@ def test_oserve_that_defers_serves_exactly_as_static_does():
     assert ours.adaptive.deferred_to == setup.static
     assert np.array_equal(result.e2e_s, static.e2e_s, equal_nan=True)
     assert np.array_equal(result.finished, static.finished) and result.num_migrations == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(arrivals=st.lists(st.floats(0.0, 600.0), min_size=1, max_size=40),
+       e2e=st.lists(st.one_of(st.floats(0.0, 200.0), st.just(math.inf)), min_size=40, max_size=40),
+       switch_at=st.lists(st.sampled_from([0.0, 60.0, 120.0, 300.0, 540.0]), max_size=3),
+       span_s=st.sampled_from([30.0, 60.0]))
+def test_untouched_requests_are_those_no_switch_saw(arrivals, e2e, switch_at, span_s):
+    """Reference, request by request: a switch at t (from the first arrival) touches a request that arrived
+    in [t, t + span) or was running at t (arrived before, finished after; never finished counts as after)."""
+    from oserve.evaluation.registry import untouched_by_switches
+
+    arrival = np.array(sorted(arrivals)) + 1000.0  # absolute times: the mask counts from the first arrival
+    lat = np.array(e2e[:len(arrival)])
+    got = untouched_by_switches(arrival, lat, switch_at, span_s)
+    t0 = arrival[0]
+    for a, e, keep in zip(arrival, lat, got):
+        t = a - t0
+        touched = any(at <= t < at + span_s or (t < at and t + e < math.inf and t + e > at) or
+                      (t < at and e == math.inf) for at in switch_at)
+        assert keep == (not touched)
+    assert untouched_by_switches(arrival, lat, [], span_s).all()
+    with pytest.raises(ConfigError):
+        untouched_by_switches(arrival, lat[:-1] if len(lat) > 1 else np.zeros(2), switch_at, span_s)
+
+
+def test_a_switching_trial_is_compared_with_static_s_choice_on_what_its_switches_left_alone():
+    """Against references: the latencies kept with each measured run are the ones its deployment has on the
+    history (bit-exact, re-simulated); static's choice compared with itself ties on every resample; a slower
+    deployment in the trial's place is compared on exactly the requests the reference mask keeps, its P99s
+    and interval those of `p99_ratio_interval` there."""
+    from oserve.evaluation.baselines import StaticPolicy
+    from oserve.evaluation.compare import EvalConfig, prepare
+    from oserve.evaluation.noise import p99_ratio_interval
+    from oserve.evaluation.registry import MIN_UNTOUCHED, untouched_by_switches, untouched_comparison
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.planner.adaptive import static_choice
+    from oserve.sim.kernel import latency_percentile, simulate
+
+    cluster = cluster_for_gpus(8)
+    scenario = build_scenario("S5", MODEL, cluster, load=0.8, minutes=2.0, history_minutes=4.0)
+    setup = prepare(MODEL, cluster, scenario, EvalConfig(bound=False)).setup
+    best = static_choice(setup.measured)
+    assert best.deployment == setup.static
+    runs = {}
+    for run in setup.measured:
+        res = simulate(MODEL, cluster.gpu, cluster, setup.history, StaticPolicy(run.deployment, setup.num_classes),
+                       setup.sim)
+        assert np.array_equal(res.e2e_s, run.e2e_s, equal_nan=True)
+        runs[id(run)] = res
+    same = untouched_comparison(setup, runs[id(best)], [60.0])
+    assert same is not None and same.ratio_low == same.ratio_high == 1.0 and not same.worse_beyond_noise
+    slowest = max(setup.measured, key=lambda r: (r.dropped, r.p99_s))
+    assert slowest is not best
+    trial = runs[id(slowest)]
+    got = untouched_comparison(setup, trial, [60.0, 120.0])
+    keep = untouched_by_switches(trial.arrival_s, trial.e2e_s, [60.0, 120.0], setup.span_s) & trial.admitted
+    assert got is not None and got.requests == int(keep.sum()) >= MIN_UNTOUCHED
+    assert got.p99_s == latency_percentile(trial.e2e_s[keep], 99)
+    assert got.static_p99_s == latency_percentile(best.e2e_s[keep], 99)
+    ref = p99_ratio_interval(trial.arrival_s[keep], trial.e2e_s[keep], best.e2e_s[keep])
+    assert (got.ratio_low, got.ratio_high, got.worse_beyond_noise) == (ref.low, ref.high, ref.worse_beyond_noise)
+    # a switch in every span leaves nothing to judge on
+    assert untouched_comparison(setup, trial, [60.0 * k for k in range(7)]) is None

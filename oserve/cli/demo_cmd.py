@@ -149,8 +149,13 @@ def trial_words(trial: dict) -> str:
     """The trial's verdict (`SelfCorrectingPlanner.trial`) in a clause; empty without one. Pure."""
     if not trial:
         return ""
+    untouched = trial.get("untouched") if trial.get("judged_on") == "untouched" else None
     return (f"; OServe's trial there: P99 {trial['p99_s']:.1f} s against {trial['measured_best_p99_s']:.1f} s for "
             f"the best of them, {trial['switches']} switches"
+            + (f"; on the {untouched['requests']:,} requests its switches did not touch {untouched['p99_s']:.1f} s "
+               f"against {untouched['static_p99_s']:.1f} s, "
+               + ("slower beyond noise" if untouched["worse_beyond_noise"] else "within noise or faster")
+               if untouched else "")
             + (", so it defers to that deployment" if trial["deferred"] else ""))
 
 

@@ -247,11 +247,13 @@ def simulate_cmd(
     if json_out:
         typer.echo(json.dumps(_json_safe(summary), indent=2))
         return
+    from oserve.cli.demo_cmd import trial_words
+
     show = out_console()
     show.print(compact(_table(comparison, scenario)))
     show.print(f"vllm-static chose {comparison.static_shape} on the history (tried: " +
                ", ".join(f"{k} P99 {_fmt(v)} s" for k, v in comparison.static_tried.items()) +
-               f"); classes right at arrival: {comparison.class_accuracy.get('oserve', math.nan):.0%}; "
+               ")" + trial_words(summary.get("oserve_trial") or {}) + f"; classes right at arrival: {comparison.class_accuracy.get('oserve', math.nan):.0%}; "
                f"simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
 
 

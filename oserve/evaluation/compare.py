@@ -26,6 +26,7 @@ from oserve.capacity import LatencyTarget
 from oserve.errors import ConfigError
 from oserve.evaluation.policies import MeasuringStaticPolicy
 from oserve.evaluation.bounds import isolated_latency_bound, p99_bound_s
+from oserve.evaluation.noise import latency_ratio
 from oserve.evaluation.registry import NEEDS_STATIC_RUNS, POLICY_NAMES, Setup, history_trial, policy_spec
 from oserve.evaluation.scenarios import Scenario
 from oserve.forecast.registry import resolve_name
@@ -72,16 +73,6 @@ class EvalConfig:
             raise ConfigError(f"EvalConfig: static_min_capacity_frac must be in (0, 1], got "
                               f"{self.static_min_capacity_frac}")
         resolve_name(self.forecaster)
-
-
-def latency_ratio(reference: float, other: float) -> float:
-    """`other / reference` for two latency percentiles where inf is "too few finished": both inf a tie, an
-    infinite reference 0, an infinite other inf. Pure."""
-    if math.isinf(reference):
-        return 1.0 if math.isinf(other) else 0.0
-    if math.isinf(other):
-        return math.inf
-    return other / reference
 
 
 def speedup(reference: SimResult, other: SimResult) -> float:
@@ -136,7 +127,7 @@ def choose_static(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, pr
         res = simulate(model, cluster.gpu, cluster, scenario.history, policy, config.sim, config.engine, progress=cb)
         p99 = res.percentile("e2e", 99)
         if runs is not None:
-            runs.append(MeasuredRun(dep, tuple(policy.spans), p99, int(res.dropped.sum())))
+            runs.append(MeasuredRun(dep, tuple(policy.spans), p99, int(res.dropped.sum()), res.e2e_s))
         tried[str(shape)] = p99
         key = (int(res.dropped.sum()), p99)
         if best is None or key < best[0]:

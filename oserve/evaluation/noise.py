@@ -13,18 +13,18 @@ request's latency belongs to the minute it arrived in (a queue that spans two mi
 them). The interval is the percentile interval of the resampled ratios; with a few dozen minutes it is
 a measure of spread, not a calibrated confidence interval.
 
-A ratio is `other / reference` (`compare.latency_ratio`: > 1, the reference is faster). Latencies are the
+A ratio is `other / reference` (`latency_ratio`: > 1, the reference is faster). Latencies are the
 admitted requests', inf for one that never finished (`oserve.sim.kernel.latency_percentile`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from oserve.errors import ConfigError
-from oserve.evaluation.compare import latency_ratio
 from oserve.sim.kernel import latency_percentile
 
 
@@ -57,6 +57,16 @@ class RatioInterval:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "level": self.level,
                 "num_blocks": self.num_blocks, "resamples": self.resamples,
                 "worse_beyond_noise": self.worse_beyond_noise, "better_beyond_noise": self.better_beyond_noise}
+
+
+def latency_ratio(reference: float, other: float) -> float:
+    """`other / reference` for two latency percentiles where inf is "too few finished": both inf a tie, an
+    infinite reference 0, an infinite other inf. Pure."""
+    if math.isinf(reference):
+        return 1.0 if math.isinf(other) else 0.0
+    if math.isinf(other):
+        return math.inf
+    return other / reference
 
 
 def blocks_of(arrival_s: np.ndarray, block_s: float) -> list[np.ndarray]:

@@ -10,17 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from oserve.errors import UnknownNameError
+import numpy as np
+
+from oserve.errors import ConfigError, UnknownNameError
 from oserve.evaluation.baselines import ReloadPolicy, RoundRobinPolicy, StaticPolicy
 from oserve.evaluation.dynamo import DynamoPolicy
 from oserve.evaluation.llumnix import LlumnixPolicy
+from oserve.evaluation.noise import p99_ratio_interval
 from oserve.evaluation.policies import OServePolicy, PerfectForecastPolicy
 from oserve.forecast.registry import make_forecaster
-from oserve.planner.adaptive import Trial
+from oserve.planner.adaptive import Trial, Untouched, static_choice
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext
 from oserve.planner.prior import Prior
-from oserve.sim.kernel import Policy, SimConfig, simulate
+from oserve.sim.kernel import Policy, SimConfig, SimResult, latency_percentile, simulate
 from oserve.specs import ClusterSpec, Deployment, ModelSpec
 from oserve.traces import Trace
 
@@ -74,7 +77,47 @@ def history_trial(setup: Setup, planner: PlannerConfig | None = None) -> Trial |
     policy = OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, planner or setup.planner,
                           name="oserve-trial", measured=setup.measured)
     r = simulate(setup.model, setup.cluster.gpu, setup.cluster, setup.history, policy, setup.sim, setup.engine)
-    return Trial(r.percentile("e2e", 99), sum(1 for s in r.spans[1:] if s["switched"]), int(r.dropped.sum()))
+    switch_at = [s["start_s"] for s in r.spans[1:] if s["switched"]]
+    return Trial(r.percentile("e2e", 99), len(switch_at), int(r.dropped.sum()),
+                 untouched=untouched_comparison(setup, r, switch_at) if switch_at else None)
+
+
+MIN_UNTOUCHED = 200
+"""A switching trial is judged on the requests its switches did not touch only when there are at least this
+many (two in the P99's tail)."""
+
+
+def untouched_by_switches(arrival_s: np.ndarray, e2e_s: np.ndarray, switch_at_s, span_s: float) -> np.ndarray:
+    """Bool per request: no switch touched it. A switch at `t` (seconds from the first arrival, at a span's
+    start) touches the requests that arrive in the span it starts (`[t, t + span_s)`: the outage and the
+    queue it leaves) and those running when it comes (arrived before `t`, finished after it, `e2e_s` inf
+    for never). Pure."""
+    arrival_s = np.asarray(arrival_s, dtype=float)
+    e2e_s = np.asarray(e2e_s, dtype=float)
+    if arrival_s.shape != e2e_s.shape or not span_s > 0:
+        raise ConfigError(f"untouched_by_switches: arrivals and latencies of one shape and span_s > 0, got "
+                          f"{arrival_s.shape}, {e2e_s.shape}, {span_s}")
+    t = arrival_s - arrival_s.min() if len(arrival_s) else arrival_s
+    keep = np.ones(len(t), dtype=bool)
+    for at in switch_at_s:
+        keep &= ~(((t >= at) & (t < at + span_s)) | ((t < at) & (t + e2e_s > at)))
+    return keep
+
+
+def untouched_comparison(setup: Setup, trial: SimResult, switch_at: list[float]) -> Untouched | None:
+    """The trial against static's choice (the measured run `seed` compares it with) on the history's admitted
+    requests that the trial's switches did not touch; None when that run kept no latencies, or fewer than
+    `MIN_UNTOUCHED` requests are left."""
+    best = static_choice(setup.measured)
+    if best.e2e_s is None or len(best.e2e_s) != len(trial.e2e_s):
+        return None
+    keep = untouched_by_switches(trial.arrival_s, trial.e2e_s, switch_at, setup.span_s) & trial.admitted
+    if keep.sum() < MIN_UNTOUCHED:
+        return None
+    ours, theirs = trial.e2e_s[keep], best.e2e_s[keep]
+    spread = p99_ratio_interval(trial.arrival_s[keep], ours, theirs)
+    return Untouched(int(keep.sum()), latency_percentile(ours, 99), latency_percentile(theirs, 99), spread.low,
+                     spread.high)
 
 
 def oserve_policy(s: Setup) -> OServePolicy:
