@@ -135,8 +135,8 @@ class GuardConfig:
     """... and only when the trial switched at most this many times (None: whatever it did) ..."""
     trial_untouched: bool = True
     """... or, when it switched more (and `trial_tolerance` is not None), when on the requests its switches did
-    not touch (`Trial.untouched`) it was slower than that deployment beyond the history's noise, or left more
-    of them unfinished. False: a trial that switched more is not judged."""
+    not touch (`Trial.untouched`) it was slower than that deployment beyond the history's noise (an unfinished
+    request counting as infinitely late). False: a trial that switched more is not judged."""
 
     def __post_init__(self) -> None:
         for name in ("planned_utilisation", "backlog_frac", "thin_sd", "demand_frac", "full_gain", "tpot_factor",
@@ -213,7 +213,7 @@ class Untouched:
     @property
     def worse_beyond_noise(self) -> bool:
         """The whole interval is below 1: the trial was slower than static's choice on all but 5% of the
-        resamples of the history's minutes (or it left more of these requests unfinished)."""
+        resamples of the history's minutes (an unfinished request counts as infinitely late)."""
         return self.ratio_high < 1.0
 
     def as_dict(self) -> dict:
