@@ -333,3 +333,5 @@ def test_the_trial_s_verdict_reads_as_what_it_was_judged_on():
                         "untouched": {**untouched, "ratio_high": 1.2, "worse_beyond_noise": False}})
     assert "within noise or faster" in kept and "defers" not in kept
     assert "did not touch" not in trial_words({**base, "judged_on": "all", "untouched": untouched})
+    # not judged (no tolerance, or too few untouched requests): no verdict read into the comparison
+    assert "did not touch" not in trial_words({**base, "deferred": False, "judged_on": None, "untouched": untouched})

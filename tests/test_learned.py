@@ -253,9 +253,9 @@ def test_a_planner_that_lost_its_trial_on_the_history_defers_to_static_s_choice(
     """Reference: static's choice is the candidate with the fewest unfinished requests, then the lowest P99,
     then the first measured (`choose_static`). The planner defers to it exactly when the trial switched at
     most `trial_max_switches` times and did worse: more unfinished, or as many and a P99 not within
-    `trial_tolerance` of its (NaN loses; a None tolerance never defers); or when it switched more, and on the
-    requests its switches did not touch static's P99 over its was below 1 over the whole interval
-    (`trial_untouched`; without that comparison it is not judged). Then it serves that deployment as static
+    `trial_tolerance` of its (NaN loses; a None tolerance never defers); or when it switched more, and it left
+    more unfinished, or as many and on the requests its switches did not touch static's P99 over its was below
+    1 over the whole interval (`trial_untouched`; without that comparison it is not judged). Then it serves that deployment as static
     does: every class on every replica, no switch, whatever the forecast."""
     from oserve.planner.adaptive import (GuardConfig, MeasuredRun, SelfCorrectingPlanner, Trial, Untouched,
                                          deployment_key)
@@ -273,13 +273,15 @@ def test_a_planner_that_lost_its_trial_on_the_history_defers_to_static_s_choice(
     i = min(range(3), key=lambda k: (dropped[k], p99s[k], k))
     best = deps[i]
     few = max_switches is None or switches <= max_switches
-    if few:
-        worse = trial_dropped > dropped[i] if trial_dropped != dropped[i] else \
-            not trial <= p99s[i] * (1 + (tolerance or 0.0))
+    if trial_dropped != dropped[i]:
+        worse = trial_dropped > dropped[i]
+    elif few:
+        worse = not trial <= p99s[i] * (1 + (tolerance or 0.0))
     else:
         worse = untouched is not None and untouched[1] < 1.0
-    expect = tolerance is not None and worse and (few or (judge_untouched and untouched is not None))
-    assert planner.trial["judged_on"] == ("all" if few or not judge_untouched or untouched is None else "untouched")
+    judged = tolerance is not None and (few or (judge_untouched and untouched is not None))
+    expect = judged and worse
+    assert planner.trial["judged_on"] == (None if not judged else "all" if few else "untouched")
     assert (planner.deferred_to is not None) == expect
     assert planner.trial.get("deferred", False) == expect
     first = planner.plan(np.array([3.0, 1.0]), None, None, 60.0)
@@ -411,6 +413,8 @@ def test_a_switching_trial_is_compared_with_static_s_choice_on_what_its_switches
     history (bit-exact, re-simulated); static's choice compared with itself ties on every resample; a slower
     deployment in the trial's place is compared on exactly the requests the reference mask keeps, its P99s
     and interval those of `p99_ratio_interval` there."""
+    from dataclasses import replace
+
     from oserve.evaluation.baselines import StaticPolicy
     from oserve.evaluation.compare import EvalConfig, prepare
     from oserve.evaluation.noise import p99_ratio_interval
@@ -444,3 +448,41 @@ def test_a_switching_trial_is_compared_with_static_s_choice_on_what_its_switches
     assert (got.ratio_low, got.ratio_high, got.worse_beyond_noise) == (ref.low, ref.high, ref.worse_beyond_noise)
     # a switch in every span leaves nothing to judge on
     assert untouched_comparison(setup, trial, [60.0 * k for k in range(7)]) is None
+    # its meaning: a trial twice as slow as static's choice on every request is slower beyond any noise, one
+    # twice as fast is not
+    slow = untouched_comparison(setup, replace(runs[id(best)], e2e_s=2.0 * best.e2e_s), [60.0])
+    assert slow is not None and slow.ratio_low == slow.ratio_high == 0.5 and slow.worse_beyond_noise
+    fast = untouched_comparison(setup, replace(runs[id(best)], e2e_s=0.5 * best.e2e_s), [60.0])
+    assert fast is not None and fast.ratio_low == 2.0 and not fast.worse_beyond_noise
+    # runs of different histories are an error, not a silent pass
+    with pytest.raises(ConfigError):
+        untouched_comparison(setup, replace(trial, e2e_s=trial.e2e_s[:-1]), [60.0])
+
+
+def test_history_trial_judges_its_switches_from_the_spans_it_switched_at():
+    """The wiring, against a re-run of the same trial: a trial that switched (here, a planner made to switch
+    eagerly) carries the comparison of the spans its simulation switched at, which start on whole spans
+    after the first; one that did not switch carries none."""
+    from dataclasses import replace
+
+    from oserve.evaluation.compare import EvalConfig, prepare
+    from oserve.evaluation.policies import OServePolicy
+    from oserve.evaluation.registry import history_trial, untouched_comparison
+    from oserve.evaluation.scenarios import build_scenario
+    from oserve.sim.kernel import simulate
+
+    cluster = cluster_for_gpus(8)
+    scenario = build_scenario("quiet-busy", MODEL, cluster, load=0.8, minutes=2.0, history_minutes=4.0)
+    setup = prepare(MODEL, cluster, scenario, EvalConfig(bound=False)).setup
+    kept = history_trial(setup)
+    assert kept is not None and kept.switches == 0 and kept.untouched is None
+    eager = replace(setup.planner, switch_gain=0.0, max_switch_loss_frac=0.99, free_switching=True)
+    trial = history_trial(setup, eager)
+    assert trial is not None and trial.switches >= 1
+    again = simulate(MODEL, cluster.gpu, cluster, setup.history,
+                     OServePolicy(setup.ctx, setup.prior, setup.new_forecaster(), setup.span_s, eager,
+                                  name="oserve-trial", measured=setup.measured), setup.sim)
+    at = [s["start_s"] for s in again.spans[1:] if s["switched"]]
+    assert len(at) == trial.switches and all(t > 0 and abs(t / setup.span_s - round(t / setup.span_s)) < 1e-9
+                                              for t in at)
+    assert trial.untouched == untouched_comparison(setup, again, at)

@@ -149,6 +149,7 @@ def trial_words(trial: dict) -> str:
     """The trial's verdict (`SelfCorrectingPlanner.trial`) in a clause; empty without one. Pure."""
     if not trial:
         return ""
+    # the untouched requests' comparison only where the verdict rests on it
     untouched = trial.get("untouched") if trial.get("judged_on") == "untouched" else None
     return (f"; OServe's trial there: P99 {trial['p99_s']:.1f} s against {trial['measured_best_p99_s']:.1f} s for "
             f"the best of them, {trial['switches']} switches"

@@ -253,7 +253,8 @@ def simulate_cmd(
     show.print(compact(_table(comparison, scenario)))
     show.print(f"vllm-static chose {comparison.static_shape} on the history (tried: " +
                ", ".join(f"{k} P99 {_fmt(v)} s" for k, v in comparison.static_tried.items()) +
-               ")" + trial_words(summary.get("oserve_trial") or {}) + f"; classes right at arrival: {comparison.class_accuracy.get('oserve', math.nan):.0%}; "
+               ")" + trial_words(summary.get("oserve_trial") or {}) +
+               f"; classes right at arrival: {comparison.class_accuracy.get('oserve', math.nan):.0%}; "
                f"simulated in {elapsed:.1f} s" + (f"; report in {out}" if out else ""))
 
 

@@ -7,7 +7,7 @@ dispatches by its freeness, vllm-static-rr by round robin: they are those baseli
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -87,7 +87,8 @@ MIN_UNTOUCHED = 200
 many (two in the P99's tail)."""
 
 
-def untouched_by_switches(arrival_s: np.ndarray, e2e_s: np.ndarray, switch_at_s, span_s: float) -> np.ndarray:
+def untouched_by_switches(arrival_s: np.ndarray, e2e_s: np.ndarray, switch_at_s: Iterable[float],
+                          span_s: float) -> np.ndarray:
     """Bool per request: no switch touched it. A switch at `t` (seconds from the first arrival, at a span's
     start) touches the requests that arrive in the span it starts (`[t, t + span_s)`: the outage and the
     queue it leaves) and those running when it comes (arrived before `t`, finished after it, `e2e_s` inf
@@ -106,16 +107,24 @@ def untouched_by_switches(arrival_s: np.ndarray, e2e_s: np.ndarray, switch_at_s,
 
 def untouched_comparison(setup: Setup, trial: SimResult, switch_at: list[float]) -> Untouched | None:
     """The trial against static's choice (the measured run `seed` compares it with) on the history's admitted
-    requests that the trial's switches did not touch; None when that run kept no latencies, or fewer than
-    `MIN_UNTOUCHED` requests are left."""
+    requests that the trial's switches did not touch, the bootstrap's blocks a span long; None when that
+    run kept no latencies, or fewer than `MIN_UNTOUCHED` requests are left. Both ran on the history, so
+    their requests are the same, in the same order.
+
+    Lenient to the trial by construction: a request it left unfinished, or queued across a switch, before
+    its last switch is not compared (it was running at a switch); `seed` compares the unfinished counts of
+    the whole history first."""
     best = static_choice(setup.measured)
-    if best.e2e_s is None or len(best.e2e_s) != len(trial.e2e_s):
+    if best.e2e_s is None:
         return None
+    if len(best.e2e_s) != len(trial.e2e_s):
+        raise ConfigError(f"untouched_comparison: static's run on the history has {len(best.e2e_s)} requests, "
+                          f"the trial's {len(trial.e2e_s)}: they ran on different histories")
     keep = untouched_by_switches(trial.arrival_s, trial.e2e_s, switch_at, setup.span_s) & trial.admitted
     if keep.sum() < MIN_UNTOUCHED:
         return None
     ours, theirs = trial.e2e_s[keep], best.e2e_s[keep]
-    spread = p99_ratio_interval(trial.arrival_s[keep], ours, theirs)
+    spread = p99_ratio_interval(trial.arrival_s[keep], ours, theirs, block_s=setup.span_s)
     return Untouched(int(keep.sum()), latency_percentile(ours, 99), latency_percentile(theirs, 99), spread.low,
                      spread.high)
 

@@ -75,6 +75,7 @@ scenarios, with the other errors too.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -134,9 +135,10 @@ class GuardConfig:
     trial_max_switches: int | None = 0
     """... and only when the trial switched at most this many times (None: whatever it did) ..."""
     trial_untouched: bool = True
-    """... or, when it switched more (and `trial_tolerance` is not None), when on the requests its switches did
-    not touch (`Trial.untouched`) it was slower than that deployment beyond the history's noise (an unfinished
-    request counting as infinitely late). False: a trial that switched more is not judged."""
+    """... or, when it switched more (and `trial_tolerance` is not None), when it left more requests unfinished
+    over the whole history, or as many and on the requests its switches did not touch (`Trial.untouched`) it
+    was slower than that deployment beyond the history's noise. Not judged: a trial that switched more with
+    this False, or with too few such requests (`oserve.evaluation.registry.MIN_UNTOUCHED`: no `untouched`)."""
 
     def __post_init__(self) -> None:
         for name in ("planned_utilisation", "backlog_frac", "thin_sd", "demand_frac", "full_gain", "tpot_factor",
@@ -213,7 +215,8 @@ class Untouched:
     @property
     def worse_beyond_noise(self) -> bool:
         """The whole interval is below 1: the trial was slower than static's choice on all but 5% of the
-        resamples of the history's minutes (an unfinished request counts as infinitely late)."""
+        resamples of the history's minutes (an unfinished request among them counts as infinitely late;
+        one running at a switch is not among them)."""
         return self.ratio_high < 1.0
 
     def as_dict(self) -> dict:
@@ -250,10 +253,12 @@ class MeasuredRun:
     None: not kept."""
 
 
-def static_choice(runs) -> MeasuredRun:
+def static_choice(runs: Sequence[MeasuredRun]) -> MeasuredRun:
     """The static baseline's choice among deployments measured on the history
     (`oserve.evaluation.compare.choose_static`): the fewest unfinished requests, then the lowest P99, the
     first measured winning a tie. Pure."""
+    if not runs:
+        raise ConfigError("static_choice: no deployment was measured")
     return min(enumerate(runs), key=lambda ir: (ir[1].dropped, ir[1].p99_s, ir[0]))[1]
 
 
@@ -351,8 +356,9 @@ class SelfCorrectingPlanner:
         estimate only where it breaks them, and the others may have moved it). A deployment that
         underserved there is distrusted and the planner starts verifying: the model was caught wrong
         before the window began. `trial`: OServe's own run on the same history; one that kept its deployment
-        and did worse than the best measured deployment by more than `GuardConfig.trial_tolerance` makes
-        the planner defer to that deployment (module docstring)."""
+        and did worse than the best measured deployment by more than `GuardConfig.trial_tolerance`, or one
+        that switched and did worse on the requests its switches did not touch beyond the history's noise
+        (`GuardConfig.trial_untouched`), makes the planner defer to that deployment (module docstring)."""
         for run in runs:
             for span in run.spans:
                 self._record(run.deployment, None, span)
@@ -378,16 +384,17 @@ class SelfCorrectingPlanner:
             else:  # NaN loses too
                 lost = not trial.p99_s <= best.p99_s * (1.0 + (cfg.trial_tolerance or 0.0))
             few = cfg.trial_max_switches is None or trial.switches <= cfg.trial_max_switches
-            # a trial that switched more is judged on what its switches did not touch, beyond the noise
+            # a trial that switched more is judged on what its switches did not touch, beyond the noise (more
+            # requests left unfinished over the whole history still lose first)
             on_untouched = not few and cfg.trial_untouched and trial.untouched is not None
-            if on_untouched:
+            if on_untouched and trial.dropped == best.dropped:
                 lost = trial.untouched.worse_beyond_noise
             judged = cfg.trial_tolerance is not None and (few or on_untouched)
             self.deferred_to = best.deployment if lost and judged else None
             self.trial = {"p99_s": float(trial.p99_s), "switches": int(trial.switches), "dropped": int(trial.dropped),
                           "measured_best_p99_s": float(best.p99_s), "measured_best_dropped": int(best.dropped),
-                          "lost": lost, "deferred": lost and judged, "judged_on": "untouched" if on_untouched
-                          else "all",
+                          "lost": lost, "deferred": lost and judged,
+                          "judged_on": None if not judged else "untouched" if on_untouched else "all",
                           "untouched": trial.untouched.as_dict() if trial.untouched is not None else None}
 
     def observe(self, span: SpanRecord, current: Decision | None) -> SpanOutcome:
