@@ -42,12 +42,16 @@ def server():
 async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and_requests_migrated(server, tmp_path):
     cfg = LiveBenchConfig(models=(TINY_MODEL,), model_dir=str(tmp_path), pipeline_dtype="float32")
     r = await pipeline_switch(cfg, nats_url=server.url, answer_tokens=ANSWER_TOKENS)
-    if r["completed"] and not any(n > 0 for n in r["migrated_tokens"]):
+    for _ in range(2):
+        if not (r["completed"] and not any(n > 0 for n in r["migrated_tokens"])):
+            break
         # The scenario's precondition, not its outcome: whether a request is mid-answer when the old replicas
         # retire depends on how this process and three engines share two cores. In one CI run of
-        # 2026-12-04 (at 256 tokens) only a request dispatched just before the flip was running then. Run it once more;
-        # a migration that loses what was generated fails both runs.
-        print("no request was mid-answer at the flip; the switch runs once more:", json.dumps(r.get("at_flip")))
+        # 2026-12-04 (at 256 tokens) only a request dispatched just before the flip was running then, and in
+        # one of 2026-12-07 that happened on two runs in a row (the weights took 59 s to move; every request
+        # running before had finished in place). Run it again, at most twice; a migration that loses what
+        # was generated fails every run.
+        print("no request was mid-answer at the flip; the switch runs again:", json.dumps(r.get("at_flip")))
         r = await pipeline_switch(cfg, nats_url=server.url, answer_tokens=ANSWER_TOKENS)
     # the whole story, should a check fail (a string: pytest shows it whole)
     story = json.dumps({k: r.get(k) for k in ("at_flip", "client_resent", "stale_copies_dropped", "migrated_tokens",
