@@ -31,7 +31,7 @@ from oserve.evaluation.registry import NEEDS_STATIC_RUNS, POLICY_NAMES, Setup, h
 from oserve.evaluation.scenarios import Scenario
 from oserve.forecast.registry import resolve_name
 from oserve.planner.candidates import homogeneous_deployment, static_capacity_rps
-from oserve.planner.adaptive import MeasuredRun, Trial
+from oserve.planner.adaptive import MeasuredRun, Trial, static_choice
 from oserve.planner.config import PlannerConfig
 from oserve.planner.context import PlanningContext, SwitchCosts
 from oserve.planner.prior import Prior, fit_prior, planning_table
@@ -118,22 +118,18 @@ def choose_static(model: ModelSpec, cluster: ClusterSpec, scenario: Scenario, pr
     ranked = static_capacity_rps(prior.table, cluster, mix)
     floor = config.static_min_capacity_frac * ranked[0][0]
     ranked = [r for r in ranked if r[0] >= floor][:config.static_candidates]
+    measured: list[MeasuredRun] = []
     tried: dict[str, float] = {}
-    best = None
     for _, shape in ranked:
         dep = homogeneous_deployment(cluster, shape)
         cb = (lambda f, s=shape: progress(f"static {s} on history", f)) if progress else None
         policy = MeasuringStaticPolicy(dep, prior.fresh_estimator())
         res = simulate(model, cluster.gpu, cluster, scenario.history, policy, config.sim, config.engine, progress=cb)
-        p99 = res.percentile("e2e", 99)
-        if runs is not None:
-            runs.append(MeasuredRun(dep, tuple(policy.spans), p99, int(res.dropped.sum()), res.e2e_s))
-        tried[str(shape)] = p99
-        key = (int(res.dropped.sum()), p99)
-        if best is None or key < best[0]:
-            best = (key, dep)
-    assert best is not None
-    return best[1], tried
+        tried[str(shape)] = res.percentile("e2e", 99)
+        measured.append(MeasuredRun(dep, tuple(policy.spans), tried[str(shape)], int(res.dropped.sum()), res.e2e_s))
+    if runs is not None:
+        runs.extend(measured)
+    return static_choice(measured).deployment, tried
 
 
 @dataclass(frozen=True, eq=False)
