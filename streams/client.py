@@ -50,8 +50,9 @@ import nats.js.api
 from nats.aio.client import Client as NATS
 
 from oserve.errors import ConfigError, OServeError
-from oserve.streams.schemas import (ACCEPTED_PREFIX, MAX_TIMEOUT_S, Accepted, CancelRequest, ErrorReply, Ping, Pong,
-                                    Reply, ReplyChunk, SchemaError, SubmitRequest, decode, decode_reply, encode)
+from oserve.streams.schemas import (ACCEPTED_PREFIX, COPY_HEADER, MAX_TIMEOUT_S, UNACCEPTED_COPY, Accepted,
+                                    CancelRequest, ErrorReply, Ping, Pong, Reply, ReplyChunk, SchemaError,
+                                    SubmitRequest, decode, decode_reply, encode)
 from oserve.streams.server import redact_url
 from oserve.streams.subjects import Subjects
 
@@ -484,7 +485,7 @@ class OServeClient:
         if inbox is None:
             return
         try:
-            await self._publish(inbox, wait, wait.payload, wait.headers)
+            await self._publish(inbox, wait, wait.payload, wait.headers, unaccepted_copy=True)
         except ClientError:
             return
         self.num_unaccepted_resent += 1
@@ -573,18 +574,22 @@ class OServeClient:
         self._ensure_watcher()
         return inbox, wait
 
-    async def _publish(self, inbox: str, wait: _Wait, payload: bytes, headers: dict | None) -> None:
+    async def _publish(self, inbox: str, wait: _Wait, payload: bytes, headers: dict | None, *,
+                       unaccepted_copy: bool = False) -> None:
         """Publish one request (again, after a reconnect), noting on which connection it went out; a
         confirmation awaited (`ReconnectPolicy.accept_timeout_s`) is awaited from now, so a request is never
-        out twice at once for want of one."""
+        out twice at once for want of one. An `unaccepted_copy` goes out marked (`COPY_HEADER`), the mark
+        not kept for a later resend."""
         wait.payload, wait.headers = payload, headers
         wait.gen, wait.sent_connected = self._generation(), self.nc.is_connected
         if wait.ack_due is not None:
             wait.ack_due = asyncio.get_running_loop().time() + wait.ack_wait_s
         try:
             # a copy of the headers: nats-py may keep what it is handed while the message waits in its buffer
-            await self.nc.publish(self.submit_subject, payload, reply=inbox,
-                                  headers=dict(headers) if headers else None)
+            out = dict(headers) if headers else None
+            if unaccepted_copy:
+                out = {**(out or {}), COPY_HEADER: UNACCEPTED_COPY}
+            await self.nc.publish(self.submit_subject, payload, reply=inbox, headers=out)
         except nats.errors.MaxPayloadError:
             raise BadReply(f"request of {len(payload)} bytes is over the server's max_payload") from None
         except nats.errors.OutboundBufferLimitError:

@@ -204,7 +204,9 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     recovered: bool = False
     """Sent again by a gateway restarted after a crash, which took the request back from its journal: an engine
     that answered it already releases it without answering again (the answer went out in the same write as its
-    `Completed`); one that serves it goes on; one that never had it serves it."""
+    `Completed`); one that serves it goes on; one that never had it serves it. Also set on a client's
+    unaccepted copy (`COPY_HEADER`) that reached a gateway which never held the request (another gateway may
+    have): its client's connection did not drop, so an answer sent to it reached it."""
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
@@ -835,3 +837,12 @@ def decode_reply(data: bytes) -> Reply | ErrorReply | Pong | ReplyChunk | Accept
 ACCEPTED_PREFIX = b'{"type":"accepted.v1"'
 """How an encoded `Accepted` starts (msgspec writes the tag first): a client tells it from an answer
 without decoding."""
+
+COPY_HEADER = "OServe-Copy"
+"""A NATS header on a `SubmitRequest` a client publishes again. `UNACCEPTED_COPY`: no gateway confirmed the
+request within `ReconnectPolicy.accept_timeout_s`, and the client's connection did not drop meanwhile, so
+whatever was sent to its inbox reached it or is on its way. A gateway that let the request go (answered)
+drops such a copy, and one that holds it sends it no second time to its replica (when its own connection did
+not drop either): a copy that crossed its answer is not answered twice. A copy after a reconnect carries no
+mark (its answer may have been lost with the connection)."""
+UNACCEPTED_COPY = "unaccepted"

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from oserve.errors import ConfigError
 from oserve.streams.client import OServeClient, RequestRejected
-from oserve.streams.schemas import (Completed, Dispatch, ErrorCode, ErrorReply, Reply, ReplicaSpec, StrategyChosen,
-                                    SubmitRequest, decode, decode_reply, decode_submit, encode, request_id_of)
+from oserve.streams.schemas import (COPY_HEADER, UNACCEPTED_COPY, Accepted, Completed, Dispatch, ErrorCode, ErrorReply,
+                                    Reply, ReplicaSpec, ReplyChunk, StrategyChosen, SubmitRequest, decode, decode_reply,
+                                    decode_submit, encode, request_id_of)
 from oserve.streams.subjects import dedupe_key, reply_error
 from oserve.streams.testing import running_server, unique_subjects, wait_until
 from oserve.workers.clock import Clock
@@ -816,3 +817,97 @@ async def test_a_slow_heartbeat_confirmation_is_waited_for_never_given_up(server
         assert cancelled == [] and len(started) >= 2 and all(timeout >= 60 for timeout in started), (cancelled, started)
         await wait_until(lambda: not any(e._stalled() for e in engines), 5, "heartbeats to be confirmed again")
         nc.flush = real_flush
+
+
+async def _captured_submit(stack, url: str, subjects) -> list:
+    """The submits a client publishes, as (payload, inbox) in order: a plain subscription beside the gateways'
+    queue group, on its own connection."""
+    nc = await nats.connect(url)
+    stack.push_async_callback(nc.close)
+    got: list = []
+
+    async def on(msg) -> None:
+        got.append((msg.data, msg.reply))
+    await nc.subscribe(subjects.submit(), cb=on)
+    await nc.flush()
+    return got
+
+
+def _finals(tap: Tap, inbox: str) -> int:
+    """Final answers (not chunks, not confirmations) that reached `inbox`."""
+    return sum(not isinstance(decode_reply(m.data), (ReplyChunk, Accepted)) for m in tap.on_subject(inbox))
+
+
+async def test_a_clients_copy_that_crossed_its_answer_is_not_answered_twice(server) -> None:
+    """A client publishes a request again when no gateway confirmed it within `accept_timeout_s`. After its
+    host's loop stalls, the timer fires before the confirmation already received is read, and the copy can
+    reach the gateway after the request was answered (the live switch test's one request answered twice,
+    CI of 2026-12-07): marked `unaccepted`, the copy is dropped, and the inbox gets no second answer. A copy
+    without the mark (a reconnect's: its answer may have been lost with the connection) is still answered
+    from the engine's store."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url)
+        submits = await _captured_submit(stack, server.url, subjects)
+        tap = Tap()
+        await nc.subscribe("_INBOX.>", cb=tap.on)
+        reply = await client.submit(input_tokens=20, max_tokens=8, sim_output_tokens=8, request_id="x1")
+        await wait_until(lambda: not gw.pending and submits, 5, "the gateway to let the answered request go")
+        (data, inbox), = submits
+        assert _finals(tap, inbox) == 1
+        received = engines[0].num_received
+        await nc.publish(subjects.submit(), data, reply=inbox, headers={COPY_HEADER: UNACCEPTED_COPY})
+        await nc.flush()
+        await wait_until(lambda: gw.num_late_copies == 1, 5, "the late copy to be recognised")
+        await asyncio.sleep(0.3)  # a second answer, were there one, would have come by now
+        assert _finals(tap, inbox) == 1 and engines[0].num_received == received and not gw.pending
+        await nc.publish(subjects.submit(), data, reply=inbox)  # unmarked: served from the engine's store
+        await wait_until(lambda: _finals(tap, inbox) == 2, 5, "the stored answer to be sent again")
+        assert decode_reply(tap.on_subject(inbox)[-1].data) == reply and engines[0].num_duplicates == 1
+
+
+async def test_a_copy_of_a_request_still_running_is_confirmed_and_not_sent_to_its_replica_again(server) -> None:
+    """A marked copy of a request the gateway still holds, dispatched on the gateway's unbroken connection, is
+    only confirmed again: forwarded, it would have the replica send its stored answer a second time should it
+    finish first. Dispatched on an earlier connection (or taken back from the journal), it is forwarded."""
+    async with AsyncExitStack() as stack:
+        nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=2.0)
+        submits = await _captured_submit(stack, server.url, subjects)
+        tap = Tap()
+        await nc.subscribe("_INBOX.>", cb=tap.on)
+        task = asyncio.create_task(client.submit(input_tokens=20, max_tokens=400, sim_output_tokens=400,
+                                                 request_id="x2"))
+        await wait_until(lambda: engines[0].num_inflight == 1 and submits, 5, "the request to run")
+        (data, inbox), = submits
+        confirmations = len(tap.on_subject(inbox))
+        await nc.publish(subjects.submit(), data, reply=inbox, headers={COPY_HEADER: UNACCEPTED_COPY})
+        await wait_until(lambda: len(tap.on_subject(inbox)) > confirmations, 5, "the copy to be confirmed")
+        assert isinstance(decode_reply(tap.on_subject(inbox)[-1].data), Accepted)
+        assert engines[0].num_received == 1
+        gw.pending["x2"].sent_on = -1  # as when taken back from the journal: where the dispatch went is unknown
+        await nc.publish(subjects.submit(), data, reply=inbox, headers={COPY_HEADER: UNACCEPTED_COPY})
+        await wait_until(lambda: engines[0].num_received == 2, 5, "the copy to be forwarded")
+        assert engines[0].num_duplicates == 1 and engines[0].num_inflight == 1  # in flight there: dropped
+        await task
+        await asyncio.sleep(0.3)
+        assert _finals(tap, inbox) == 1
+
+
+async def test_the_client_marks_the_copies_it_publishes_for_want_of_a_confirmation(server) -> None:
+    """The first publish goes unmarked; each copy after `accept_timeout_s` without a confirmation carries
+    `COPY_HEADER: unaccepted`."""
+    from oserve.streams.client import ReconnectPolicy, RequestTimeout
+
+    async with AsyncExitStack() as stack:
+        nc = await nats.connect(server.url)
+        stack.push_async_callback(nc.close)
+        subjects = unique_subjects()
+        seen: list = []
+
+        async def silent_gateway(msg) -> None:  # takes every request, confirms none, answers none
+            seen.append(dict(msg.headers or {}))
+        await nc.subscribe(subjects.submit(), queue="gateway", cb=silent_gateway)
+        client = OServeClient(nc, subjects, reconnect=ReconnectPolicy(accept_timeout_s=0.1))
+        with pytest.raises(RequestTimeout):
+            await client.submit(input_tokens=10, max_tokens=4, request_id="m1", timeout_s=0.8)
+        assert len(seen) >= 3 and client.num_unaccepted_resent == len(seen) - 1
+        assert COPY_HEADER not in seen[0] and all(h.get(COPY_HEADER) == UNACCEPTED_COPY for h in seen[1:])

@@ -54,7 +54,8 @@ async def test_two_tp1_replicas_become_one_tp2_under_load_with_weights_moved_and
         print("no request was mid-answer at the flip; the switch runs again:", json.dumps(r.get("at_flip")))
         r = await pipeline_switch(cfg, nats_url=server.url, answer_tokens=ANSWER_TOKENS)
     # the whole story, should a check fail (a string: pytest shows it whole)
-    story = json.dumps({k: r.get(k) for k in ("at_flip", "client_resent", "stale_copies_dropped", "migrated_tokens",
+    story = json.dumps({k: r.get(k) for k in ("at_flip", "client_resent", "stale_copies_dropped",
+                                              "late_copies_dropped", "reconnects", "migrated_tokens",
                                               "sent", "answered", "answered_twice", "errors", "timeline")})
     assert r["completed"], r["rolled_back_reason"]
     assert r["bad_messages"] == 0  # every command and event on the bus was understood

@@ -92,11 +92,10 @@ from oserve.correction import move_after_tokens, outgrown
 from oserve.errors import ConfigError
 from oserve.observability.metrics import Metrics
 from oserve.observability.tracing import extract, inject, messaging_attributes, messaging_span_name, trace_headers
-from oserve.streams.schemas import (CLIENT_TAG, EVENT_BATCH_ITEMS, AbortRequest, Accepted, Arrival, Arrived,
-                                    AssignmentSet,
-                                    CancelRequest, Completed, Dispatch, ErrorCode, ErrorReply, Heartbeat, MoveAnswer,
-                                    MoveAsk, Owned, Ping, Pong, SchemaError, Settled, SubmitRequest, decode, decode_submit, encode, fingerprint,
-                                    request_id_of)
+from oserve.streams.schemas import (CLIENT_TAG, COPY_HEADER, EVENT_BATCH_ITEMS, UNACCEPTED_COPY, AbortRequest, Accepted,
+                                    Arrival, Arrived, AssignmentSet, CancelRequest, Completed, Dispatch, ErrorCode,
+                                    ErrorReply, Heartbeat, MoveAnswer, MoveAsk, Owned, Ping, Pong, SchemaError, Settled,
+                                    SubmitRequest, decode, decode_submit, encode, fingerprint, request_id_of)
 from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -121,6 +120,9 @@ RECOVERY_SKEW_WALL_S = 1.0
 its dispatch (the dispatch goes out first, on another connection): a restarted gateway still counts it."""
 MAX_EARLY_CANCELS = 10_000
 """Early cancels kept at most (the oldest go first): every gateway hears every cancel."""
+MAX_ANSWERED_KEPT = 16_384
+"""Requests this gateway stopped holding, kept (the oldest go first) so that a client's unaccepted copy
+(`COPY_HEADER`) that comes after the answer is recognised and not served again."""
 MIN_RATE_SATURATED_S = 3.0
 """Clock seconds of saturated time (steps that ended with requests waiting) ..."""
 MIN_RATE_BUSY_S = 10.0
@@ -332,6 +334,9 @@ class _Pending:
     """The class it grew into, as judged when its engine was told to move it: it is continued in that class."""
     move_reserved: int = 0
     """The tokens reserved for it on `move_to` (taken off again when it is dispatched there)."""
+    sent_on: int = -1
+    """The gateway's connection (`Gateway._connection`) its last dispatch went out on; -1: none yet (or taken
+    back from the journal)."""
 
 
 class Gateway(Worker):
@@ -389,6 +394,10 @@ class Gateway(Worker):
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
         self._disconnected = False
         self._settled: dict[str, None] = {}  # request ids no longer owned, for the journal's next `Settled`
+        # request id -> (inbox, fingerprint) of the last MAX_ANSWERED_KEPT requests it stopped holding
+        self._let_go: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        self.num_late_copies = 0
+        """A client's unaccepted copies (`COPY_HEADER`) that came after the request was answered: dropped."""
         self._recovery_buffer: list[Msg] | None = None  # completions read while `_recover` runs
         self.num_recovered = 0
         """Requests taken back from the journal when this gateway started (`_recover`)."""
@@ -552,11 +561,17 @@ class Gateway(Worker):
 
     def _sent(self, replica_id: str, p: _Pending) -> None:
         """Count a dispatch into the replica's load until its next heartbeat reports it: its prompt's KV and
-        half its estimated answer's (what it holds on average while it decodes)."""
+        half its estimated answer's (what it holds on average while it decodes). Notes the connection it went
+        out on (`_Pending.sent_on`)."""
+        p.sent_on = self._connection()
         r = self._replicas.get(replica_id)
         if r is not None:
             r.sent_tokens += p.dispatch.input_tokens + p.est_output_tokens // 2
             r.sent_requests += 1
+
+    def _connection(self) -> int:
+        """Which connection this gateway is on: nats-py's count of its reconnects."""
+        return int(self.nc.stats.get("reconnects", 0))
 
     def _known_tag(self, tag: str | None) -> str | None:
         """The tag the estimator may learn by: one already known, or a new one while there is room."""
@@ -767,6 +782,16 @@ class Gateway(Worker):
                                      "gen_ai.request.max_tokens": max_tokens})
             ask = fingerprint(req)
             existing = self.pending.get(req.request_id)
+            # the client's copy of a request no gateway confirmed in time, on a connection that did not drop
+            # (`COPY_HEADER`): what was sent to its inbox reached it, or is on its way
+            unaccepted_copy = bool(msg.headers) and msg.headers.get(COPY_HEADER) == UNACCEPTED_COPY
+            if existing is None and unaccepted_copy and self._let_go.get(req.request_id) == (msg.reply, ask):
+                # it crossed its answer (a stalled loop read the answer after the client's timer fired):
+                # served again, it would be answered twice
+                self.num_late_copies += 1
+                if span is not None:
+                    span.add_event("late_copy_dropped")
+                return
             if existing is not None:
                 if dedupe_key(msg.reply, "") != dedupe_key(existing.reply, ""):
                     # another client (another inbox) chose the same id: it must never get the first one's answer
@@ -780,8 +805,12 @@ class Gateway(Worker):
                     return
                 if msg.reply == existing.reply:
                     # the client published it again (it heard nothing: a lost confirmation, a reconnect):
-                    # the answer comes once, on that inbox, wherever the request is
-                    if existing.replica_id is not None:
+                    # the answer comes once, on that inbox, wherever the request is. The dispatch goes again
+                    # unless this is an unaccepted copy of one sent on this gateway's unbroken connection: that
+                    # one reached its replica, whose answer reached the client or is on its way (sent again,
+                    # an engine that answered already would send its stored answer a second time)
+                    if existing.replica_id is not None and not (unaccepted_copy
+                                                                and existing.sent_on == self._connection()):
                         headers = inject(span, existing.headers) if span is not None else existing.headers
                         await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
                                               reply=msg.reply, headers=headers)
@@ -825,7 +854,9 @@ class Gateway(Worker):
                          stream=req.stream, detokenize=req.prompt is not None, temperature=req.temperature,
                          top_p=req.top_p, seed=req.seed, stop=req.stop, prompt=req.prompt, fingerprint=ask,
                          deadline_unix_s=time.time() + timeout_s, dispatch_no=0,
-                         move_after_tokens=self._move_after(type_index, replica_id, input_tokens, max_tokens))
+                         move_after_tokens=self._move_after(type_index, replica_id, input_tokens, max_tokens),
+                         # a copy this gateway never held may be one another gateway had answered
+                         recovered=unaccepted_copy)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
                 if span is not None:
@@ -891,7 +922,7 @@ class Gateway(Worker):
             self.num_cancels_ignored += 1
             return
         del self.pending[c.request_id]
-        self._settle(c.request_id)
+        self._settle(c.request_id, p)
         self.num_cancelled += 1
         if p.replica_id is not None:
             await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -915,15 +946,15 @@ class Gateway(Worker):
             p = self._held(item.request_id, item.owner)
             if p is not None:
                 del pending[item.request_id]
-                self._settle(item.request_id)
+                self._settle(item.request_id, p)
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
         # answered with an error, or from the cache: not to be re-dispatched
         for request_id, owner in _with_owners(c.released, c.released_owners):
-            if self._held(request_id, owner) is not None:
+            if (p := self._held(request_id, owner)) is not None:
                 del pending[request_id]
-                self._settle(request_id)
+                self._settle(request_id, p)
         for request_id, owner in _with_owners(c.requeue, c.requeue_owners):  # dropped unanswered by a fenced engine: dispatched again
             p = self._held(request_id, owner)
             if p is not None and p.replica_id == c.replica_id:
@@ -969,7 +1000,7 @@ class Gateway(Worker):
         attempt = p.dispatch.attempt + (0 if free else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
-            self._settle(rid)
+            self._settle(rid, p)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -1027,7 +1058,7 @@ class Gateway(Worker):
             else:
                 continue
             del self.pending[rid]
-            self._settle(rid)
+            self._settle(rid, p)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -1052,7 +1083,7 @@ class Gateway(Worker):
                 heapq.heappush(heap, (p.deadline_wall_s + grace, rid))
                 continue
             del self.pending[rid]
-            self._settle(rid)
+            self._settle(rid, p)
             self.num_expired += 1
             if p.replica_id is not None:
                 await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -1145,9 +1176,16 @@ class Gateway(Worker):
             gateway_id=self.config.gateway_id, dispatch=p.dispatch, reply=p.reply, replica_id=p.replica_id or "",
             headers=dict(p.headers) if p.headers else {})))
 
-    def _settle(self, rid: str) -> None:
+    def _settle(self, rid: str, p: _Pending | None = None) -> None:
+        """`rid` (`p`, when it was held here) is no longer this gateway's: journaled with the next `Settled`,
+        and remembered a while (`MAX_ANSWERED_KEPT`) for the client's late copies."""
         if self.js is not None:
             self._settled[rid] = None
+        if p is not None and p.reply:
+            self._let_go.pop(rid, None)
+            self._let_go[rid] = (p.reply, p.fingerprint)
+            if len(self._let_go) > MAX_ANSWERED_KEPT:
+                self._let_go.popitem(last=False)
 
     async def _flush_settled(self) -> None:
         """Journal the requests this gateway stopped owning since the last flush (`Settled`)."""

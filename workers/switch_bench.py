@@ -483,6 +483,8 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
             "migrated": len(migrated), "gateway_migrated": gw.num_migrated,
             "client_resent": client.num_resent + client.num_unaccepted_resent,
             "stale_copies_dropped": sum(e.num_stale_handed for e in engines.values()),
+            "late_copies_dropped": gw.num_late_copies,
+            "reconnects": int(nc.stats.get("reconnects", 0)),  # the one connection every part shares
             "migrated_tokens": sorted(m.resume.num_tokens for m in migrated),
             "migrated_token_exact": [a.text for a in again] == [answers[i].text for i in resumed],
             "moved_bytes": done[2].get("moved_bytes", 0),
