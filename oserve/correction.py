@@ -193,7 +193,9 @@ def move_after_tokens(centroids_log: np.ndarray, input_tokens: int, routed_class
             db = c[j, 1] - c[i, 1]
             if db == 0:
                 continue
-            y = ((x - c[j, 0]) ** 2 - (x - c[i, 0]) ** 2 + c[j, 1] ** 2 - c[i, 1] ** 2) / (2 * db)
+            # centroids a hair apart overflow to +-inf (never a crossing within max_tokens, or none below 1)
+            with np.errstate(over="ignore", invalid="ignore"):
+                y = ((x - c[j, 0]) ** 2 - (x - c[i, 0]) ** 2 + c[j, 1] ** 2 - c[i, 1] ** 2) / (2 * db)
             if y > math.log1p(max_tokens) + 1e-9:
                 continue
             g0 = int(math.floor(math.expm1(y))) if y > 0 else 0
