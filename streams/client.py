@@ -482,10 +482,13 @@ class OServeClient:
         if wait.payload is None or not self.nc.is_connected:
             return  # down: the reconnect's resend covers it
         inbox = next((i for i, w in self._answers.items() if w is wait), None)
-        if inbox is None:
+        if inbox is None or not wait.queue.empty():  # gone, or something for it came in meanwhile
             return
+        # marked only while the connection it last went out on is the one up now (`COPY_HEADER`): after a
+        # reconnect what was sent to its inbox may have been lost, and an unmarked copy gets it again
+        unbroken = wait.sent_connected and wait.gen == self._generation()
         try:
-            await self._publish(inbox, wait, wait.payload, wait.headers, unaccepted_copy=True)
+            await self._publish(inbox, wait, wait.payload, wait.headers, unaccepted_copy=unbroken)
         except ClientError:
             return
         self.num_unaccepted_resent += 1

@@ -205,8 +205,9 @@ class Dispatch(_Msg, frozen=True, kw_only=True, tag="dispatch.v1"):
     """Sent again by a gateway restarted after a crash, which took the request back from its journal: an engine
     that answered it already releases it without answering again (the answer went out in the same write as its
     `Completed`); one that serves it goes on; one that never had it serves it. Also set on a client's
-    unaccepted copy (`COPY_HEADER`) that reached a gateway which never held the request (another gateway may
-    have): its client's connection did not drop, so an answer sent to it reached it."""
+    unaccepted copy (`COPY_HEADER`), which a gateway forwards or dispatches: the client's connection did not
+    drop since it sent the request, so an answer sent to it reached it. Only the engine that answered knows:
+    a copy another gateway dispatches to another replica is served there anew."""
 
 
 class Reply(_Msg, frozen=True, kw_only=True, tag="reply.v1"):
@@ -840,9 +841,10 @@ without decoding."""
 
 COPY_HEADER = "OServe-Copy"
 """A NATS header on a `SubmitRequest` a client publishes again. `UNACCEPTED_COPY`: no gateway confirmed the
-request within `ReconnectPolicy.accept_timeout_s`, and the client's connection did not drop meanwhile, so
-whatever was sent to its inbox reached it or is on its way. A gateway that let the request go (answered)
-drops such a copy, and one that holds it sends it no second time to its replica (when its own connection did
-not drop either): a copy that crossed its answer is not answered twice. A copy after a reconnect carries no
-mark (its answer may have been lost with the connection)."""
+request within `ReconnectPolicy.accept_timeout_s`, and the connection the request last went out on is still
+up, so whatever was sent to its inbox reached it or is on its way. A gateway that let the request go (on its
+current connection) drops such a copy; one that holds it forwards it to its replica as `Dispatch.recovered`,
+so an engine that answered it already does not answer again: a copy that crossed its answer is not answered
+twice. The first copy after a reconnect carries no mark (its answer may have been lost with the connection).
+Across gateways nothing is promised: another gateway of the queue group serves a copy it never held anew."""
 UNACCEPTED_COPY = "unaccepted"

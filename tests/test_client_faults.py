@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from oserve.cli import app
 from oserve.streams.client import (CannotConnect, ClientError, ConnectionLost, OServeClient, ReconnectPolicy,
                                    RequestTimeout)
-from oserve.streams.schemas import Reply, decode, encode
+from oserve.streams.schemas import COPY_HEADER, UNACCEPTED_COPY, Reply, decode, encode
 from oserve.streams.server import find_nats_server
 from oserve.streams.testing import unique_subjects, wait_until
 from oserve.traces import Request, Trace
@@ -304,3 +304,34 @@ async def test_the_outage_bench_reports_every_request() -> None:
     r = await asyncio.wait_for(run_outage_bench(config, unique_subjects()), 25)
     assert r["sent"] == 200 and r["unaccounted"] == 0 and r["reconnects"] >= 1
     assert r["answered"] + r["errors"] + r["lost"] == 200 and r["outage_s"] == 2.0
+
+
+async def test_a_copy_after_a_reconnect_goes_unmarked(server) -> None:
+    """A copy sent for want of a confirmation is marked `unaccepted` (`COPY_HEADER`: what was sent to its inbox
+    reached it) only while the connection it last went out on is up. The first copy after a reconnect goes
+    unmarked, so a gateway forwards it and an engine that answered sends its stored answer again; the next
+    ones, on the connection that copy went out on, are marked again."""
+    subjects = unique_subjects()
+
+    async def main() -> None:
+        client = await OServeClient.connect(server.url, subjects=subjects, reconnect=ReconnectPolicy(
+            accept_timeout_s=0.2, resend_on_reconnect=False))  # only the confirmation's timer publishes again
+        seen: list[tuple[int, str | None]] = []  # (the client's connection, the mark) of each publish
+
+        async def silent_gateway(msg) -> None:  # on the client's own connection: it sees every publish there
+            seen.append((client._generation(), (msg.headers or {}).get(COPY_HEADER)))
+        await client.nc.subscribe(subjects.submit(), cb=silent_gateway)
+        task = asyncio.create_task(client.submit(input_tokens=10, max_tokens=4, request_id="g1", timeout_s=8.0))
+        await wait_until(lambda: len(seen) >= 2, 5, "a first copy")
+        server.kill()
+        server.start()
+        await wait_until(lambda: sum(g >= 1 for g, _ in seen) >= 2, 8, "two copies after the reconnect")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
+        before = [mark for g, mark in seen if g == 0]
+        after = [mark for g, mark in seen if g >= 1]
+        assert before[0] is None and all(m == UNACCEPTED_COPY for m in before[1:]), seen
+        assert after[0] is None and all(m == UNACCEPTED_COPY for m in after[1:]), seen
+
+    await asyncio.wait_for(main(), 20)

@@ -865,31 +865,47 @@ async def test_a_clients_copy_that_crossed_its_answer_is_not_answered_twice(serv
         assert decode_reply(tap.on_subject(inbox)[-1].data) == reply and engines[0].num_duplicates == 1
 
 
-async def test_a_copy_of_a_request_still_running_is_confirmed_and_not_sent_to_its_replica_again(server) -> None:
-    """A marked copy of a request the gateway still holds, dispatched on the gateway's unbroken connection, is
-    only confirmed again: forwarded, it would have the replica send its stored answer a second time should it
-    finish first. Dispatched on an earlier connection (or taken back from the journal), it is forwarded."""
+async def test_a_copy_that_crossed_its_answer_before_the_gateway_heard_of_it_is_not_answered_twice(server) -> None:
+    """The other order: the copy reaches the gateway after the engine answered but before the gateway read the
+    engine's `Completed`, so the gateway still holds the request and forwards the copy. Marked, it goes as
+    `recovered` and the engine releases it without answering again; unmarked (a reconnect's copy), the engine
+    sends its stored answer again. A marked copy whose dispatch was lost still gets served (`recovered` only
+    stops an engine that answered)."""
     async with AsyncExitStack() as stack:
-        nc, subjects, gw, engines, client = await start_system(stack, server.url, speedup=2.0)
+        nc, subjects, gw, engines, client = await start_system(stack, server.url)
         submits = await _captured_submit(stack, server.url, subjects)
         tap = Tap()
         await nc.subscribe("_INBOX.>", cb=tap.on)
-        task = asyncio.create_task(client.submit(input_tokens=20, max_tokens=400, sim_output_tokens=400,
-                                                 request_id="x2"))
-        await wait_until(lambda: engines[0].num_inflight == 1 and submits, 5, "the request to run")
+        gw._recovery_buffer = []  # the gateway's completions wait (as while its loop is behind)
+        await client.submit(input_tokens=20, max_tokens=8, sim_output_tokens=8, request_id="x2")
+        await wait_until(lambda: gw._recovery_buffer and submits, 5, "the engine's completion")
         (data, inbox), = submits
-        confirmations = len(tap.on_subject(inbox))
+        assert "x2" in gw.pending and _finals(tap, inbox) == 1
         await nc.publish(subjects.submit(), data, reply=inbox, headers={COPY_HEADER: UNACCEPTED_COPY})
-        await wait_until(lambda: len(tap.on_subject(inbox)) > confirmations, 5, "the copy to be confirmed")
-        assert isinstance(decode_reply(tap.on_subject(inbox)[-1].data), Accepted)
-        assert engines[0].num_received == 1
-        gw.pending["x2"].sent_on = -1  # as when taken back from the journal: where the dispatch went is unknown
+        await wait_until(lambda: engines[0].num_duplicates == 1, 5, "the copy to reach the engine")
+        await asyncio.sleep(0.3)  # a second answer, were there one, would have come by now
+        assert _finals(tap, inbox) == 1 and engines[0].num_errors == 0
+        await nc.publish(subjects.submit(), data, reply=inbox)  # unmarked: the stored answer goes again
+        await wait_until(lambda: _finals(tap, inbox) == 2, 5, "the stored answer to be sent again")
+        held, gw._recovery_buffer = gw._recovery_buffer, None
+        for msg in held:
+            await gw._on_completed(msg)
+        assert not gw.pending
+        # a dispatch lost on its way (the engine never had it): a marked copy has it served
+        gw._recovery_buffer = []
+        real = engines[0]._handle
+
+        async def lost(msg) -> None:  # the engine loses what reaches it
+            pass
+        engines[0]._handle = lost
+        n = len(submits)
+        task = asyncio.create_task(client.submit(input_tokens=20, max_tokens=8, sim_output_tokens=8,
+                                                 request_id="x3"))
+        await wait_until(lambda: "x3" in gw.pending and len(submits) > n, 5, "the request to be dispatched")
+        engines[0]._handle = real
+        data, inbox = submits[n]
         await nc.publish(subjects.submit(), data, reply=inbox, headers={COPY_HEADER: UNACCEPTED_COPY})
-        await wait_until(lambda: engines[0].num_received == 2, 5, "the copy to be forwarded")
-        assert engines[0].num_duplicates == 1 and engines[0].num_inflight == 1  # in flight there: dropped
-        await task
-        await asyncio.sleep(0.3)
-        assert _finals(tap, inbox) == 1
+        assert (await task).request_id == "x3" and _finals(tap, inbox) == 1
 
 
 async def test_the_client_marks_the_copies_it_publishes_for_want_of_a_confirmation(server) -> None:

@@ -372,8 +372,9 @@ class EngineWorker(Worker):
                 # will clear unless it is released (it would be re-dispatched and served again); released
                 # before the resend, as `_finish` does
                 await self._publish_completed([], [(d.request_id, owner)])
-            if cached is not None and msg.reply and not d.recovered:  # a recovered one's client had it already
-                await self.nc.publish(msg.reply, cached)
+            if cached is not None:
+                if msg.reply and not d.recovered:  # a recovered one's client had it already
+                    await self.nc.publish(msg.reply, cached)
             elif msg.reply:
                 item = self._inflight[self._by_id[key]]
                 if msg.reply != item.reply and msg.reply not in item.also_reply:

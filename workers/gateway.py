@@ -334,9 +334,6 @@ class _Pending:
     """The class it grew into, as judged when its engine was told to move it: it is continued in that class."""
     move_reserved: int = 0
     """The tokens reserved for it on `move_to` (taken off again when it is dispatched there)."""
-    sent_on: int = -1
-    """The gateway's connection (`Gateway._connection`) its last dispatch went out on; -1: none yet (or taken
-    back from the journal)."""
 
 
 class Gateway(Worker):
@@ -394,8 +391,8 @@ class Gateway(Worker):
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline_wall_s, request_id) of pending ones
         self._disconnected = False
         self._settled: dict[str, None] = {}  # request ids no longer owned, for the journal's next `Settled`
-        # request id -> (inbox, fingerprint) of the last MAX_ANSWERED_KEPT requests it stopped holding
-        self._let_go: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        # request id -> (inbox, fingerprint, connection) of the last MAX_ANSWERED_KEPT requests it stopped holding
+        self._let_go: collections.OrderedDict[str, tuple[str, str, int]] = collections.OrderedDict()
         self.num_late_copies = 0
         """A client's unaccepted copies (`COPY_HEADER`) that came after the request was answered: dropped."""
         self._recovery_buffer: list[Msg] | None = None  # completions read while `_recover` runs
@@ -561,9 +558,7 @@ class Gateway(Worker):
 
     def _sent(self, replica_id: str, p: _Pending) -> None:
         """Count a dispatch into the replica's load until its next heartbeat reports it: its prompt's KV and
-        half its estimated answer's (what it holds on average while it decodes). Notes the connection it went
-        out on (`_Pending.sent_on`)."""
-        p.sent_on = self._connection()
+        half its estimated answer's (what it holds on average while it decodes)."""
         r = self._replicas.get(replica_id)
         if r is not None:
             r.sent_tokens += p.dispatch.input_tokens + p.est_output_tokens // 2
@@ -785,7 +780,8 @@ class Gateway(Worker):
             # the client's copy of a request no gateway confirmed in time, on a connection that did not drop
             # (`COPY_HEADER`): what was sent to its inbox reached it, or is on its way
             unaccepted_copy = bool(msg.headers) and msg.headers.get(COPY_HEADER) == UNACCEPTED_COPY
-            if existing is None and unaccepted_copy and self._let_go.get(req.request_id) == (msg.reply, ask):
+            if existing is None and unaccepted_copy and \
+                    self._let_go.get(req.request_id) == (msg.reply, ask, self._connection()):
                 # it crossed its answer (a stalled loop read the answer after the client's timer fired):
                 # served again, it would be answered twice
                 self.num_late_copies += 1
@@ -805,14 +801,15 @@ class Gateway(Worker):
                     return
                 if msg.reply == existing.reply:
                     # the client published it again (it heard nothing: a lost confirmation, a reconnect):
-                    # the answer comes once, on that inbox, wherever the request is. The dispatch goes again
-                    # unless this is an unaccepted copy of one sent on this gateway's unbroken connection: that
-                    # one reached its replica, whose answer reached the client or is on its way (sent again,
-                    # an engine that answered already would send its stored answer a second time)
-                    if existing.replica_id is not None and not (unaccepted_copy
-                                                                and existing.sent_on == self._connection()):
+                    # the answer comes once, on that inbox, wherever the request is. An unaccepted copy goes
+                    # marked `recovered`: an engine that answered it already (its `Completed` not read here
+                    # yet) sent that answer to a client whose connection did not drop, and does not send it
+                    # a second time; one that never got the dispatch (lost with its connection) serves it
+                    if existing.replica_id is not None:
                         headers = inject(span, existing.headers) if span is not None else existing.headers
-                        await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(existing.dispatch),
+                        d = msgspec.structs.replace(existing.dispatch, recovered=True) if unaccepted_copy \
+                            else existing.dispatch
+                        await self.nc.publish(cfg.subjects.replica(existing.replica_id), encode(d),
                                               reply=msg.reply, headers=headers)
                     await self._accepted(req, msg.reply)
                     return
@@ -855,7 +852,8 @@ class Gateway(Worker):
                          top_p=req.top_p, seed=req.seed, stop=req.stop, prompt=req.prompt, fingerprint=ask,
                          deadline_unix_s=time.time() + timeout_s, dispatch_no=0,
                          move_after_tokens=self._move_after(type_index, replica_id, input_tokens, max_tokens),
-                         # a copy this gateway never held may be one another gateway had answered
+                         # a copy this gateway never held may be one a gateway answered before a restart: the
+                         # engine that answered it does not answer again (another replica would serve it anew)
                          recovered=unaccepted_copy)
             headers = inject(span) if span is not None else trace_headers(msg.headers)
             if replica_id is None:  # held until a replica becomes eligible or the wait runs out
@@ -922,7 +920,7 @@ class Gateway(Worker):
             self.num_cancels_ignored += 1
             return
         del self.pending[c.request_id]
-        self._settle(c.request_id, p)
+        self._settle(c.request_id, p.reply, p.fingerprint)
         self.num_cancelled += 1
         if p.replica_id is not None:
             await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -946,7 +944,7 @@ class Gateway(Worker):
             p = self._held(item.request_id, item.owner)
             if p is not None:
                 del pending[item.request_id]
-                self._settle(item.request_id, p)
+                self._settle(item.request_id, p.reply, p.fingerprint)
             if self.estimator is not None:  # learned from what it was classed by (unknown: another gateway's)
                 self.estimator.learn_one(item.input_tokens, item.output_tokens, tag=p.tag if p else None,
                                          max_tokens=p.sent_max_tokens if p else None)
@@ -954,7 +952,7 @@ class Gateway(Worker):
         for request_id, owner in _with_owners(c.released, c.released_owners):
             if (p := self._held(request_id, owner)) is not None:
                 del pending[request_id]
-                self._settle(request_id, p)
+                self._settle(request_id, p.reply, p.fingerprint)
         for request_id, owner in _with_owners(c.requeue, c.requeue_owners):  # dropped unanswered by a fenced engine: dispatched again
             p = self._held(request_id, owner)
             if p is not None and p.replica_id == c.replica_id:
@@ -1000,7 +998,7 @@ class Gateway(Worker):
         attempt = p.dispatch.attempt + (0 if free else 1)
         if attempt >= self.config.max_attempts:
             del self.pending[rid]
-            self._settle(rid, p)
+            self._settle(rid, p.reply, p.fingerprint)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -1058,7 +1056,7 @@ class Gateway(Worker):
             else:
                 continue
             del self.pending[rid]
-            self._settle(rid, p)
+            self._settle(rid, p.reply, p.fingerprint)
             self.num_failed += 1
             if self.metrics is not None:
                 self.metrics.failed.labels(ErrorCode.NO_REPLICA).inc()
@@ -1083,7 +1081,7 @@ class Gateway(Worker):
                 heapq.heappush(heap, (p.deadline_wall_s + grace, rid))
                 continue
             del self.pending[rid]
-            self._settle(rid, p)
+            self._settle(rid, p.reply, p.fingerprint)
             self.num_expired += 1
             if p.replica_id is not None:
                 await self.nc.publish(self.config.subjects.replica(p.replica_id), encode(AbortRequest(
@@ -1176,14 +1174,15 @@ class Gateway(Worker):
             gateway_id=self.config.gateway_id, dispatch=p.dispatch, reply=p.reply, replica_id=p.replica_id or "",
             headers=dict(p.headers) if p.headers else {})))
 
-    def _settle(self, rid: str, p: _Pending | None = None) -> None:
-        """`rid` (`p`, when it was held here) is no longer this gateway's: journaled with the next `Settled`,
-        and remembered a while (`MAX_ANSWERED_KEPT`) for the client's late copies."""
+    def _settle(self, rid: str, reply: str = "", fingerprint: str = "") -> None:
+        """`rid` is no longer this gateway's: journaled with the next `Settled`, and (its client's inbox and
+        its fingerprint given) remembered a while (`MAX_ANSWERED_KEPT`) for the client's late copies, with the
+        connection this gateway is on (an error it answered on an earlier one may have been lost)."""
         if self.js is not None:
             self._settled[rid] = None
-        if p is not None and p.reply:
+        if reply:
             self._let_go.pop(rid, None)
-            self._let_go[rid] = (p.reply, p.fingerprint)
+            self._let_go[rid] = (reply, fingerprint, self._connection())
             if len(self._let_go) > MAX_ANSWERED_KEPT:
                 self._let_go.popitem(last=False)
 
@@ -1251,12 +1250,12 @@ class Gateway(Worker):
             at = msg.metadata.timestamp
             for item in c.items:
                 if mine(item.request_id, item.owner, at):
-                    owned.pop(item.request_id)
-                    self._settle(item.request_id)
+                    rec, _ = owned.pop(item.request_id)
+                    self._settle(item.request_id, rec.reply, rec.dispatch.fingerprint)
             for rid, owner in _with_owners(c.released, c.released_owners):
                 if mine(rid, owner, at):
-                    owned.pop(rid)
-                    self._settle(rid)
+                    rec, _ = owned.pop(rid)
+                    self._settle(rid, rec.reply, rec.dispatch.fingerprint)
             for rid, owner in _with_owners(c.requeue, c.requeue_owners):
                 if mine(rid, owner, at, strictly_after=True) and owned[rid][0].replica_id == c.replica_id:
                     redo.add(rid)
