@@ -53,7 +53,7 @@ from oserve.errors import ConfigError, OServeError
 from oserve.streams.schemas import (ACCEPTED_PREFIX, COPY_HEADER, MAX_TIMEOUT_S, UNACCEPTED_COPY, Accepted,
                                     CancelRequest, ErrorReply, Ping, Pong, Reply, ReplyChunk, SchemaError,
                                     SubmitRequest, decode, decode_reply, encode)
-from oserve.streams.server import redact_url
+from oserve.streams.server import reconnects, redact_url
 from oserve.streams.subjects import Subjects
 
 if TYPE_CHECKING:
@@ -603,7 +603,7 @@ class OServeClient:
 
     def _generation(self) -> int:
         """Which connection the client is on: nats-py's count of reconnects."""
-        return int(self.nc.stats.get("reconnects", 0))
+        return reconnects(self.nc)
 
     def _ensure_watcher(self) -> None:
         if self._watcher is None or self._watcher.done():

@@ -290,6 +290,11 @@ class NatsServer:
         self.stop()
 
 
+def reconnects(nc) -> int:
+    """Which connection a nats-py client is on: its count of reconnects (0 before any; none without stats)."""
+    return int((getattr(nc, "stats", None) or {}).get("reconnects", 0))
+
+
 def redact_url(url: str) -> str:
     """`url` without its password (for log lines and error messages). Pure."""
     from urllib.parse import urlsplit, urlunsplit

@@ -255,8 +255,8 @@ def test_a_planner_that_lost_its_trial_on_the_history_defers_to_static_s_choice(
     most `trial_max_switches` times and did worse: more unfinished, or as many and a P99 not within
     `trial_tolerance` of its (NaN loses; a None tolerance never defers); or when it switched more, and it left
     more unfinished, or as many and on the requests its switches did not touch static's P99 over its was below
-    1 over the whole interval (`trial_untouched`; without that comparison it is not judged). Then it serves that deployment as static
-    does: every class on every replica, no switch, whatever the forecast."""
+    1 over the whole interval (`trial_untouched`; without that comparison it is not judged). Then it serves
+    that deployment as static does: every class on every replica, no switch, whatever the forecast."""
     from oserve.planner.adaptive import (GuardConfig, MeasuredRun, SelfCorrectingPlanner, Trial, Untouched,
                                          deployment_key)
     from oserve.planner.candidates import homogeneous_deployment

@@ -96,6 +96,7 @@ from oserve.streams.schemas import (CLIENT_TAG, COPY_HEADER, EVENT_BATCH_ITEMS, 
                                     Arrival, Arrived, AssignmentSet, CancelRequest, Completed, Dispatch, ErrorCode,
                                     ErrorReply, Heartbeat, MoveAnswer, MoveAsk, Owned, Ping, Pong, SchemaError, Settled,
                                     SubmitRequest, decode, decode_submit, encode, fingerprint, request_id_of)
+from oserve.streams.server import reconnects
 from oserve.streams.subjects import Subjects, dedupe_key, owner_of, reply_error
 from oserve.workers.base import Worker
 from oserve.workers.clock import Clock
@@ -564,10 +565,6 @@ class Gateway(Worker):
             r.sent_tokens += p.dispatch.input_tokens + p.est_output_tokens // 2
             r.sent_requests += 1
 
-    def _connection(self) -> int:
-        """Which connection this gateway is on: nats-py's count of its reconnects."""
-        return int(self.nc.stats.get("reconnects", 0))
-
     def _known_tag(self, tag: str | None) -> str | None:
         """The tag the estimator may learn by: one already known, or a new one while there is room."""
         if tag is None or tag in self._client_tags:
@@ -781,7 +778,7 @@ class Gateway(Worker):
             # (`COPY_HEADER`): what was sent to its inbox reached it, or is on its way
             unaccepted_copy = bool(msg.headers) and msg.headers.get(COPY_HEADER) == UNACCEPTED_COPY
             if existing is None and unaccepted_copy and \
-                    self._let_go.get(req.request_id) == (msg.reply, ask, self._connection()):
+                    self._let_go.get(req.request_id) == (msg.reply, ask, reconnects(self.nc)):
                 # it crossed its answer (a stalled loop read the answer after the client's timer fired):
                 # served again, it would be answered twice
                 self.num_late_copies += 1
@@ -1182,7 +1179,7 @@ class Gateway(Worker):
             self._settled[rid] = None
         if reply:
             self._let_go.pop(rid, None)
-            self._let_go[rid] = (reply, fingerprint, self._connection())
+            self._let_go[rid] = (reply, fingerprint, reconnects(self.nc))
             if len(self._let_go) > MAX_ANSWERED_KEPT:
                 self._let_go.popitem(last=False)
 

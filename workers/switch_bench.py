@@ -327,7 +327,7 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
     from oserve.streams.client import OServeClient
     from oserve.streams.schemas import (AssignmentSet, Completed, Reply, ReplicaEvent, ReplicaSpec, StrategyChosen,
                                         SwitchEvent, decode, encode)
-    from oserve.streams.server import NatsServer
+    from oserve.streams.server import NatsServer, reconnects
     from oserve.streams.testing import unique_subjects
     from oserve.workers.clock import Clock
     from oserve.workers.engine_host import EngineHost, EngineHostConfig
@@ -484,7 +484,7 @@ async def pipeline_switch(cfg: LiveBenchConfig, progress: Progress = lambda _: N
             "client_resent": client.num_resent + client.num_unaccepted_resent,
             "stale_copies_dropped": sum(e.num_stale_handed for e in engines.values()),
             "late_copies_dropped": gw.num_late_copies,
-            "reconnects": int(nc.stats.get("reconnects", 0)),  # the one connection every part shares
+            "reconnects": reconnects(nc),  # the one connection every part shares
             "migrated_tokens": sorted(m.resume.num_tokens for m in migrated),
             "migrated_token_exact": [a.text for a in again] == [answers[i].text for i in resumed],
             "moved_bytes": done[2].get("moved_bytes", 0),

@@ -38,6 +38,7 @@ from oserve.specs import Deployment, cluster_for_gpus, model_preset
 from oserve.streams.client import ClientError, OServeClient, RequestRejected
 from oserve.streams.jetstream import EventPublisher, StreamLimits, ensure_model_store, ensure_streams
 from oserve.streams.schemas import BYTES_PER_TOKEN, CLIENT_TAG, SwitchCompleted, SwitchEvent, SwitchPlanned, decode
+from oserve.streams.server import reconnects
 from oserve.streams.subjects import Subjects
 from oserve.traces import Trace, load_trace
 from oserve.workers.clock import Clock
@@ -525,9 +526,8 @@ def _failure_code(exc: Exception) -> str:
 
 def _replay_counters(client: OServeClient) -> dict[str, int]:
     """The client's counters `replay` reports the change of."""
-    stats = getattr(client.nc, "stats", None) or {}
     return {"duplicates": client.num_duplicates, "late": client.num_late, "resent": client.num_resent,
-            "reconnects": int(stats.get("reconnects", 0))}
+            "reconnects": reconnects(client.nc)}
 
 
 async def connect(url: str, name: str, *, inbox_prefix: str | None = None) -> NATS:
