@@ -83,7 +83,8 @@ def test_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, args, message) ->
     assert len(lines) == 1 and message in lines[0]
 
 
-@pytest.mark.parametrize("mode, flags", [("live", []), ("live", ["--static-first"]), ("live", ["--no-measure"]),
+@pytest.mark.parametrize("mode, flags", [("live", []), ("live", ["--static-first"]),
+                                         ("live", ["--no-measure", "--planner-thread"]),
                                          ("simulated", ["--simulated"])])
 def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str, flags: list[str]) -> None:
     args = ["demo", "--minutes", "2", "--history-minutes", "3", "--out", str(tmp_path), "--json", *flags]
@@ -97,6 +98,8 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str, fl
     if mode == "live":
         assert summary["answered"] + summary["errors"] == summary["requests"] > 0
         assert summary["lost"] == 0
+        # the scheduler decides in a child process unless told to use a thread
+        assert summary["planner_process"] == ("--planner-thread" not in flags)
         # only requests beyond the model's context window are refused (llama2-70b: 4096 tokens)
         assert set(summary["error_codes"]) <= {"invalid"}
         # the same replay against the static deployment, in the same run

@@ -6,7 +6,8 @@ just closed (read from its `Arrived` events: offsets and classes, never output l
 what each class turned out to contain lately (the lengths of the requests that finished in the last
 `TwinConfig.recent_spans` spans, from the engines' `Completed` events, by class at arrival). The decision
 goes to the strategy KV bucket (so a restarted scheduler resumes from the deployment in force) and out
-as a `StrategyChosen` event. Planning runs in a thread: the event loop keeps serving meanwhile.
+as a `StrategyChosen` event. Planning runs in a thread, or in a child process that holds the planner
+(`SchedulerConfig.planner_process`, `oserve.planner.process`): the event loop keeps serving meanwhile.
 
 With a `SelfCorrectingPlanner` (one that has `observe`) the scheduler also learns capacity, as the
 simulator's OServe policy does: it keeps each replica's latest `Heartbeat` and the `Completed` events, and
@@ -41,6 +42,7 @@ from oserve.observability.tracing import extract, inject, messaging_attributes, 
 from oserve.planner.adaptive import SelfCorrectingPlanner, SpanRecord
 from oserve.planner.learned import Correction
 from oserve.planner.oserve import OServePlanner
+from oserve.planner.process import PlannerProcess, observe_and_plan
 from oserve.planner.static import StaticPlanner
 from oserve.planner.twin import ArrivalPattern, RecentLengths, TwinConfig
 from oserve.specs import Deployment, Replica, ReplicaShape
@@ -117,6 +119,11 @@ class SchedulerConfig:
     """A decision should take at most this fraction of a span (in wall time, at the clock's speed): a plan
     that arrives late serves less of the span it was made for. Held by `PlannerConfig.max_twin_scores`;
     each strategy event carries the time taken and this budget, and overruns are counted."""
+    planner_process: bool = False
+    """Make each decision in a child process that holds the planner (`oserve.planner.process`), not on a thread
+    of this one: a decision is CPU work that otherwise holds the interpreter lock against this process's event
+    loop (and whatever else it serves). The worker's `planner` is then a mirror, replaced after each decision
+    by the state the child sends back; a child that dies costs one decision made here, and nothing learned."""
 
     def __post_init__(self) -> None:
         if not self.span_s > 0:
@@ -150,6 +157,8 @@ class SchedulerWorker(Worker):
         """Wall seconds each decision took (learning from the span that closed, then planning)."""
         self.num_over_budget = 0
         """Decisions (after the first, made before serving) that took longer than the budget."""
+        self._process = PlannerProcess() if config.planner_process and not isinstance(planner, StaticPlanner) \
+            else None
         self._arrivals: dict[int, list[tuple[float, int]]] = {}  # span index -> (offset_s, class) seen so far
         twin = getattr(getattr(planner, "config", None), "twin", None)
         self.reads_lengths = twin is not None
@@ -286,9 +295,15 @@ class SchedulerWorker(Worker):
 
     def _observe_and_plan(self, record: SpanRecord | None, rates: np.ndarray,
                           recent: ArrivalPattern | None) -> Decision:
-        if record is not None and self.current is not None and isinstance(self.planner, SelfCorrectingPlanner):
-            self.planner.observe(record, self.current)
-        return self.planner.plan(rates, self.current, recent, self.config.span_s)
+        if self._process is None:
+            return observe_and_plan(self.planner, record, self.current, rates, recent, self.config.span_s)
+        decision, self.planner = self._process.decide(self.planner, record, self.current, rates, recent,
+                                                      self.config.span_s)
+        return decision
+
+    async def _on_stop(self) -> None:
+        if self._process is not None:
+            self._process.close()
 
     async def _decide(self, span_index: int, rates: np.ndarray, recent: ArrivalPattern | None,
                       headers, arrivals: int = 0, arrivals_by_class: tuple[float, ...] = ()) -> StrategyChosen:

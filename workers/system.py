@@ -107,6 +107,9 @@ class SystemConfig:
     engine asking before it moves a request and the gateway moving it only where there is room (`MoveAsk`),
     "types" with the moves still gave 38.3 s and 57.8 s against 26.4 s (README, "Correcting after the
     fact"): a live move re-prefills, where the simulator moves the KV."""
+    planner_process: bool = True
+    """The scheduler makes its decisions in a child process (`SchedulerConfig.planner_process`), so they do not
+    hold the interpreter lock against the workers that share this process."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""
@@ -336,7 +339,8 @@ class LiveSystem:
                 class_names=prior.class_names, events=events)
             await self.forecaster.start()
         if "scheduler" in w:
-            self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s), clock,
+            self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s,
+                                                                 planner_process=cfg.planner_process), clock,
                                              self.inputs.planner, self.inputs.initial_rps, tracer=tracer("scheduler"),
                                              metrics=metrics, events=events)
             await self.scheduler.start()

@@ -58,6 +58,10 @@ def demo(
     static_first: bool = typer.Option(False, "--static-first",
                                       help="Replay the static deployment first and OServe second (the order's "
                                            "effect on the ratio is measured by running both orders)."),
+    planner_process: bool = typer.Option(True, "--planner-process/--planner-thread",
+                                         help="Simulated engines, live: the scheduler decides in a child process "
+                                              "(the default) or on a thread of the process that serves the "
+                                              "requests, sharing its interpreter lock."),
     measure: bool = typer.Option(True, "--measure/--no-measure",
                                  help="Simulated engines, live: seed the live planner with what the simulator measures on "
                                       "the history, as the "
@@ -118,7 +122,8 @@ def demo(
         summary = _simulated(workload, model, gpus, minutes, history_minutes, load, out, show=not json_out)
     else:
         summary = _live(model, gpus, workload, minutes, history_minutes, speedup, load, static, otlp_endpoint, out,
-                        view and not json_out, show=not json_out, measure=measure, static_first=static_first)
+                        view and not json_out, show=not json_out, measure=measure, static_first=static_first,
+                        planner_process=planner_process)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if json_out:
         typer.echo(json.dumps(summary, indent=2))
@@ -181,7 +186,7 @@ def demo_tracing(otlp_endpoint: str, out: Path):
 
 def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes: float, speedup: float, load: float,
           static: bool, otlp_endpoint: str, out: Path, view: bool, show: bool, measure: bool = True,
-          static_first: bool = False) -> dict:
+          static_first: bool = False, planner_process: bool = True) -> dict:
     import asyncio
     from dataclasses import replace
 
@@ -199,7 +204,7 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     part = scenario.window
     traces_path, tracing = demo_tracing(otlp_endpoint, out)
     config = replace(_system_config("oserve", model, gpus, speedup, 60.0, workload, "none", "",
-                                    history_minutes=history_minutes), tracing=tracing)
+                                    history_minutes=history_minutes), tracing=tracing, planner_process=planner_process)
     start = time.perf_counter()
     inputs = planning_inputs(config, history=scenario.history)
     measured = None
@@ -243,7 +248,8 @@ def _live(model: str, gpus: int, workload: str, minutes: float, history_minutes:
     decide = np.array([s.decide_wall_s for s in strategies]) if strategies else np.zeros(1)
     in_force = [f.forecaster for f in forecasts]
     summary = {
-        "mode": "live", "workload": workload, "model": model, "gpus": gpus, "minutes": minutes, **result,
+        "mode": "live", "workload": workload, "model": model, "gpus": gpus, "minutes": minutes,
+        "planner_process": planner_process, **result,
         "forecaster_in_force": in_force[-1] if in_force else "",
         "forecaster_spans": {kind: in_force.count(kind) for kind in sorted(set(in_force))},
         "forecaster_note": forecasts[-1].forecaster_note if forecasts else "no forecast made",
