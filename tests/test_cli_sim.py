@@ -98,8 +98,10 @@ def test_demo_writes_a_report(monkeypatch, capsys, tmp_path: Path, mode: str, fl
     if mode == "live":
         assert summary["answered"] + summary["errors"] == summary["requests"] > 0
         assert summary["lost"] == 0
-        # the scheduler decides in a child process unless told to use a thread
-        assert summary["planner_process"] == ("--planner-thread" not in flags)
+        # the scheduler decides in a child process unless told to use a thread, and the child made every decision
+        in_child = "--planner-thread" not in flags
+        assert summary["planner_process"] == in_child and summary["planner_fallbacks"] == 0
+        assert summary["planner_children"] == (1 if in_child else 0)
         # only requests beyond the model's context window are refused (llama2-70b: 4096 tokens)
         assert set(summary["error_codes"]) <= {"invalid"}
         # the same replay against the static deployment, in the same run

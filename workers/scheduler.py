@@ -123,7 +123,7 @@ class SchedulerConfig:
     """Make each decision in a child process that holds the planner (`oserve.planner.process`), not on a thread
     of this one: a decision is CPU work that otherwise holds the interpreter lock against this process's event
     loop (and whatever else it serves). The worker's `planner` is then a mirror, replaced after each decision
-    by the state the child sends back; a child that dies costs one decision made here, and nothing learned."""
+    by the state the child sends back; a child that dies costs one decision made here, and loses nothing learned."""
 
     def __post_init__(self) -> None:
         if not self.span_s > 0:
@@ -204,6 +204,8 @@ class SchedulerWorker(Worker):
             pass
         if self.learning:
             await self._load_learned()
+        if self._process is not None:
+            self._process.start(self.planner)  # from the loop's thread: the child ignores Ctrl-C from the start
         await super().start()
         if self.current is None:
             await self._decide(-1, self.initial_rps, None, None)
@@ -300,6 +302,11 @@ class SchedulerWorker(Worker):
         decision, self.planner = self._process.decide(self.planner, record, self.current, rates, recent,
                                                       self.config.span_s)
         return decision
+
+    @property
+    def planner_process(self) -> PlannerProcess | None:
+        """The child process decisions are made in (`SchedulerConfig.planner_process`; None: on a thread)."""
+        return self._process
 
     async def _on_stop(self) -> None:
         if self._process is not None:

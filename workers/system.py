@@ -108,8 +108,10 @@ class SystemConfig:
     "types" with the moves still gave 38.3 s and 57.8 s against 26.4 s (README, "Correcting after the
     fact"): a live move re-prefills, where the simulator moves the KV."""
     planner_process: bool = True
-    """The scheduler makes its decisions in a child process (`SchedulerConfig.planner_process`), so they do not
-    hold the interpreter lock against the workers that share this process."""
+    """The scheduler makes its decisions in a child process (`SchedulerConfig.planner_process`) when other workers
+    share its process (`oserve up`, `oserve demo`), so its CPU does not hold the interpreter lock against them; a
+    scheduler alone in its process (`oserve worker scheduler`) decides on a thread. The scheduler's `planner` is
+    then the child's, sent back after each decision: the planner in `PlanningInputs` stays as it was handed in."""
     forecaster: str = "lstm"
     """`lstm`: last value, or the LSTM while it beats last value on recent spans (`GatedForecaster`);
     `last_value`: last value alone."""
@@ -339,10 +341,11 @@ class LiveSystem:
                 class_names=prior.class_names, events=events)
             await self.forecaster.start()
         if "scheduler" in w:
+            shared = len(w) > 1  # other workers in this process: the scheduler's CPU would slow them
             self.scheduler = SchedulerWorker(nc, kv, SchedulerConfig(subjects=cfg.subjects, span_s=cfg.span_s,
-                                                                 planner_process=cfg.planner_process), clock,
-                                             self.inputs.planner, self.inputs.initial_rps, tracer=tracer("scheduler"),
-                                             metrics=metrics, events=events)
+                                                                     planner_process=cfg.planner_process and shared),
+                                             clock, self.inputs.planner, self.inputs.initial_rps,
+                                             tracer=tracer("scheduler"), metrics=metrics, events=events)
             await self.scheduler.start()
         if "http" in w:  # a producer of requests: last; imported here, so FastAPI loads only when it serves
             from oserve.workers.http_front import HTTPFrontConfig, OpenAIFront

@@ -398,6 +398,9 @@ async def _live_run(url: str, config, inputs, part, speedup: float, view: bool, 
                                       "moved": gw.num_moved_outgrown}
             if system.scheduler is not None:
                 result["num_over_budget"] = system.scheduler.num_over_budget
+                proc = system.scheduler.planner_process  # decisions in a child process, and those made without it
+                result["planner_children"] = proc.num_children if proc is not None else 0
+                result["planner_fallbacks"] = proc.num_fallbacks if proc is not None else 0
                 result.update(learned_summary(system.scheduler.planner, system.scheduler.current))
     finally:
         for sub in subs:
