@@ -15,8 +15,9 @@ not seen, and nothing here does that after the first decision). A child that die
 reached, loses nothing: the decision is made on the caller's thread with the mirror, which is the planner as
 of the last decision, and the next decision starts a new child. A planner that raises in the child raises
 `PlannerFailed` here, after what it learned first has come back to the mirror, as on a thread. A child whose
-parent is gone exits within half a second, and a child ignores Ctrl-C once started (`_child_init`). Pure in what it decides: the same planner state and inputs give the
-same decision in the child as on a thread (a test checks it).
+parent is gone exits within half a second, and a child ignores Ctrl-C (`start`, `_child_init`). Pure in what
+it decides: the same planner state and inputs give the same decision in the child as on a thread (a test
+checks it).
 
 Measured in the demo (README, "What the demo measured"): the slowest decision took 1.00-1.05 s of wall time
 in a child against 1.50-1.63 s on a thread. In the child a rescoring's wall time is its CPU time (0.41-0.83
