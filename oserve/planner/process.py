@@ -33,8 +33,7 @@ import signal
 import threading
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
@@ -107,6 +106,8 @@ class PlannerProcess:
         self._mirror: Any = None
         """The planner object last sent back by the child: the child holds the same state. A planner handed
         in that is not this object is handed over; one changed in place between decisions is not seen."""
+        self._adopting: Future | None = None
+        """The child's first task, taking the planner `start` handed it (waited for by the first decision)."""
         self._lock = threading.Lock()
         self._closed = False
         self.num_children = 0
@@ -127,6 +128,9 @@ class PlannerProcess:
             try:
                 if self._pool is None:
                     self._start(planner)
+                if self._adopting is not None:
+                    self._adopting.result()  # a child that could not take the planner falls back below
+                    self._adopting = None
                 if planner is not self._mirror:
                     self._pool.submit(_adopt, pickle.dumps(planner)).result()
                 decision, state, failed = self._pool.submit(_decide, record, current, rates, recent, span_s).result()
@@ -157,7 +161,7 @@ class PlannerProcess:
             self._pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_child_init,
                                              initargs=(os.getpid(),))
             self.num_children += 1
-            self._pool.submit(_adopt, pickle.dumps(planner))
+            self._adopting = self._pool.submit(_adopt, pickle.dumps(planner))
             self._mirror = planner  # what the child holds once `_adopt` has run, before any decision it is sent
         finally:
             if main and handler is not None:  # None: a handler Python did not install, which it cannot restore
@@ -172,7 +176,7 @@ class PlannerProcess:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-            self._mirror = None
+            self._mirror = self._adopting = None
 
     def close(self) -> None:
         """Stop the child (it holds nothing the caller's mirror does not); a decision under way finishes first,
