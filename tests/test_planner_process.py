@@ -8,12 +8,11 @@ import os
 import pickle
 import signal
 
+import nats
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import nats
 
 from oserve.planner.adaptive import SelfCorrectingPlanner, SpanRecord
 from oserve.planner.learned import ReplicaWindow
